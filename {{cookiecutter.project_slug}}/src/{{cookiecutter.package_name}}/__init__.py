@@ -1,0 +1,3 @@
+"""{{ cookiecutter.description }}"""
+
+__version__ = "0.1.0"

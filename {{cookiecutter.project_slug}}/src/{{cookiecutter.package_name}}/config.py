@@ -1,0 +1,280 @@
+"""Typed run configuration: dataclass defaults, a YAML file, then `section.key=value` overrides.
+
+Everything is validated here, before any process group starts, so a typo fails in one second with a
+message that names the key instead of failing minutes later on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type or out of range."""
+
+
+@dataclass
+class RunConfig:
+    """Where the run lives. The same directory on a second launch means: resume."""
+
+    dir: str = "runs/default"
+    seed: int = 1234
+
+
+@dataclass
+class TaskConfig:
+    """Size of the example task (see task.py); replace with your own task's settings."""
+
+    num_train_samples: int = 8192
+    num_eval_samples: int = 1000
+    input_dim: int = 32
+    hidden_dim: int = 128
+    num_classes: int = 8
+    dropout: float = 0.1
+
+
+@dataclass
+class DataConfig:
+    """DataLoader settings. The global batch is in TrainConfig."""
+
+    num_workers: int = 0
+    pin_memory: bool = True
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay to `min_lr_ratio * lr`."""
+
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation schedule.
+
+    `global_batch_size` is what the optimizer sees per step, whatever the world size:
+    accumulation steps = global_batch_size / (world_size * micro_batch_size), which must divide.
+    """
+
+    global_batch_size: int = 128
+    micro_batch_size: int = 32
+    epochs: int = 3
+    max_steps: int = -1
+    mixed_precision: Literal["bf16", "fp16", "none"] = "{{ cookiecutter.mixed_precision }}"
+    eval_every: int = 50
+    log_every: int = 10
+
+
+@dataclass
+class CheckpointConfig:
+    """Atomic checkpoints in `<run.dir>/checkpoints`; the newest complete one is resumed from."""
+
+    every_steps: int = 50
+    keep_last: int = 3
+    resume: bool = True
+
+
+@dataclass
+class DistConfig:
+    """Device, process group and DistributedDataParallel settings.
+
+    `auto` picks CUDA with NCCL when a GPU is visible, else CPU with gloo.
+    """
+
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    timeout_s: int = 600
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+{%- if cookiecutter.tracker != "none" %}
+
+
+@dataclass
+class TrackerConfig:
+    """Experiment tracker ({{ cookiecutter.tracker }}); metrics.jsonl is written either way."""
+
+    enabled: bool = True
+{%- if cookiecutter.tracker in ["wandb", "mlflow"] %}
+    project: str = "{{ cookiecutter.project_slug }}"
+{%- endif %}
+{%- if cookiecutter.tracker == "mlflow" %}
+    tracking_uri: str = ""
+{%- endif %}
+{%- endif %}
+
+
+@dataclass
+class Config:
+    """The whole run configuration; `Config()` is the documented default."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+{%- if cookiecutter.tracker != "none" %}
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+{%- endif %}
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain nested dict (lists for tuples), fit for YAML, JSON and checkpoints."""
+        return _plain(dataclasses.asdict(self))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Build the config from defaults, an optional YAML file, then `section.key=value` overrides."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        values = _read_yaml(Path(path))
+    for override in overrides or []:
+        _apply_override(values, override)
+    config = _build(Config, values, prefix="")
+    validate(config)
+    return config
+
+
+def from_dict(values: dict[str, Any]) -> Config:
+    """Rebuild a Config from `Config.to_dict()` output (e.g. the copy stored in a checkpoint)."""
+    config = _build(Config, values, prefix="")
+    validate(config)
+    return config
+
+
+def to_yaml(config: Config) -> str:
+    """The resolved config as YAML, in declaration order."""
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)
+
+
+def validate(config: Config) -> None:
+    """Range checks that types alone cannot express."""
+    positive = {
+        "train.global_batch_size": config.train.global_batch_size,
+        "train.micro_batch_size": config.train.micro_batch_size,
+        "train.log_every": config.train.log_every,
+        "train.eval_every": config.train.eval_every,
+        "checkpoint.every_steps": config.checkpoint.every_steps,
+        "checkpoint.keep_last": config.checkpoint.keep_last,
+        "dist.timeout_s": config.dist.timeout_s,
+        "task.num_train_samples": config.task.num_train_samples,
+        "task.num_eval_samples": config.task.num_eval_samples,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+    if config.train.epochs <= 0 and config.train.max_steps <= 0:
+        raise ConfigError("set train.epochs or train.max_steps to a positive number")
+    if config.train.global_batch_size % config.train.micro_batch_size:
+        raise ConfigError(
+            f"train.global_batch_size={config.train.global_batch_size} is not a multiple of "
+            f"train.micro_batch_size={config.train.micro_batch_size}"
+        )
+    if config.data.num_workers < 0:
+        raise ConfigError(f"data.num_workers must be >= 0, got {config.data.num_workers}")
+    if config.optim.lr <= 0:
+        raise ConfigError(f"optim.lr must be positive, got {config.optim.lr}")
+    if not 0 <= config.optim.min_lr_ratio <= 1:
+        raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {config.optim.min_lr_ratio}")
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path} is not valid YAML: {error}") from error
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections, got {type(loaded).__name__}")
+    return loaded
+
+
+def _apply_override(values: dict[str, Any], override: str) -> None:
+    key, sep, raw = override.partition("=")
+    if not sep or not key or "." not in key:
+        raise ConfigError(
+            f"override {override!r} must look like section.key=value, e.g. train.epochs=5"
+        )
+    *sections, leaf = key.split(".")
+    node = values
+    for section in sections:
+        node = node.setdefault(section, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {section!r} is not a section")
+    try:
+        node[leaf] = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError as error:
+        raise ConfigError(f"override {override!r}: cannot parse value {raw!r}: {error}") from error
+
+
+def _build(cls: type, values: Any, prefix: str) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        where = prefix.rstrip(".") or "top level"
+        keys = ", ".join(prefix + key for key in unknown)
+        raise ConfigError(f"unknown key(s) {keys} in {where}; valid keys: {', '.join(names)}")
+    kwargs = {}
+    for name in names:
+        if name not in values:
+            continue
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, values[name], prefix=f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(values[name], hint, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin = get_origin(hint)
+    if origin is Literal:
+        choices = get_args(hint)
+        if value not in choices:
+            raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}; got {value!r}")
+        return value
+    if origin is tuple:
+        items = get_args(hint)
+        if not isinstance(value, (list, tuple)) or len(value) != len(items):
+            raise ConfigError(f"{key} must be a list of {len(items)} values, got {value!r}")
+        pairs = enumerate(zip(value, items, strict=True))
+        return tuple(_coerce(item, kind, f"{key}[{i}]") for i, (item, kind) in pairs)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str and isinstance(value, str):
+        return value
+    expected = getattr(hint, "__name__", hint)
+    raise ConfigError(f"{key} must be of type {expected}, got {value!r} ({type(value).__name__})")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

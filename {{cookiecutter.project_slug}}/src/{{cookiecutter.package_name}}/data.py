@@ -1,0 +1,107 @@
+"""Sharding data over ranks: a resumable training sampler and an exact evaluation sampler.
+
+The task (task.py) builds the data sets; this module decides which rank sees which sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from .config import DataConfig
+from .distributed import DistEnv
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """A DistributedSampler that can start part-way through an epoch.
+
+    The permutation depends only on (seed, epoch), and the tail is dropped so every rank gets the
+    same number of samples. Optimizer step s of an epoch therefore always uses the same global set
+    of samples, whatever the world size, and resuming at step s means skipping s * (samples per
+    rank per step) samples of this rank's shard.
+    """
+
+    def __init__(self, dataset: Dataset, env: DistEnv, seed: int) -> None:
+        super().__init__(
+            dataset,
+            num_replicas=env.world_size,
+            rank=env.rank,
+            shuffle=True,
+            seed=seed,
+            drop_last=True,
+        )
+        self.start_index = 0
+
+    def set_epoch(self, epoch: int, start_index: int = 0) -> None:
+        """Select the epoch's permutation (call every epoch) and where in the shard to begin."""
+        if not 0 <= start_index <= self.num_samples:
+            raise ValueError(
+                f"start_index {start_index} outside this rank's shard of {self.num_samples}"
+            )
+        super().set_epoch(epoch)
+        self.start_index = start_index
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        return iter(indices[self.start_index :])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start_index
+
+
+class EvalShardSampler(Sampler[int]):
+    """Rank r evaluates samples r, r + world, r + 2 * world, ...: no padding, no duplicates.
+
+    Shards may differ in length by one; evaluation reduces sums and counts once at the end, so
+    uneven shards are exact where DistributedSampler's padding would count samples twice.
+    """
+
+    def __init__(self, dataset_size: int, env: DistEnv) -> None:
+        self.indices = range(env.rank, dataset_size, env.world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def build_train_loader(
+    dataset: Dataset,
+    env: DistEnv,
+    config: DataConfig,
+    micro_batch_size: int,
+    seed: int,
+    device: torch.device,
+) -> tuple[DataLoader, ResumableDistributedSampler]:
+    """Full micro-batches only (drop_last): every optimizer step sees exactly the global batch."""
+    sampler = ResumableDistributedSampler(dataset, env, seed)
+    loader = DataLoader(
+        dataset,
+        batch_size=micro_batch_size,
+        sampler=sampler,
+        drop_last=True,
+        **_loader_options(config, device),
+    )
+    return loader, sampler
+
+
+def build_eval_loader(
+    dataset: Dataset, env: DistEnv, config: DataConfig, batch_size: int, device: torch.device
+) -> DataLoader:
+    """Every evaluation sample exactly once across all ranks."""
+    sampler = EvalShardSampler(len(dataset), env)
+    return DataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, **_loader_options(config, device)
+    )
+
+
+def _loader_options(config: DataConfig, device: torch.device) -> dict:
+    workers = config.num_workers
+    return {
+        "num_workers": workers,
+        "pin_memory": config.pin_memory and device.type == "cuda",
+        "persistent_workers": workers > 0,
+    }

@@ -1,0 +1,143 @@
+"""Process-group lifecycle: who am I, which device, how to start, how to stop.
+
+One code path serves every launcher. torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; a Slurm step with
+one task per GPU sets SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS; a plain `python -m` run has neither
+and trains as a single process without a process group.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .config import DistConfig
+
+
+class DistributedError(RuntimeError):
+    """The launch environment cannot start a process group as configured."""
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the job, read from the launcher's environment variables."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    launcher: str = "single"
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes the files that every rank holds a copy of."""
+        return self.rank == 0
+
+
+def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
+    """Read rank and world size from torchrun, then Slurm, else assume a single process."""
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return DistEnv(
+            rank=int(environ["RANK"]),
+            local_rank=int(environ.get("LOCAL_RANK", "0")),
+            world_size=int(environ["WORLD_SIZE"]),
+            launcher="torchrun",
+        )
+    if "SLURM_PROCID" in environ and int(environ.get("SLURM_NTASKS", "1")) > 1:
+        return DistEnv(
+            rank=int(environ["SLURM_PROCID"]),
+            local_rank=int(environ.get("SLURM_LOCALID", "0")),
+            world_size=int(environ["SLURM_NTASKS"]),
+            launcher="slurm",
+        )
+    return DistEnv()
+
+
+def select_device(env: DistEnv, config: DistConfig) -> torch.device:
+    """Pick this rank's device; on CUDA, bind the process to its GPU before any CUDA work."""
+    want_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    if not want_cuda:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise DistributedError(
+            "dist.device=cuda but no CUDA device is visible; use dist.device=cpu"
+        )
+    if env.local_rank >= torch.cuda.device_count():
+        raise DistributedError(
+            f"local rank {env.local_rank} has no GPU: only {torch.cuda.device_count()} visible. "
+            "Start at most one process per GPU (torchrun --nproc-per-node=gpu)."
+        )
+    torch.cuda.set_device(env.local_rank)
+    return torch.device("cuda", env.local_rank)
+
+
+def select_backend(device: torch.device, config: DistConfig) -> str:
+    """NCCL for CUDA tensors, gloo for CPU ones, unless the config insists."""
+    if config.backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if config.backend == "nccl" and device.type != "cuda":
+        raise DistributedError("dist.backend=nccl needs CUDA devices; use dist.backend=gloo on CPU")
+    return config.backend
+
+
+@contextmanager
+def process_group(env: DistEnv, config: DistConfig) -> Iterator[torch.device]:
+    """Start the process group (if there is more than one rank) and always tear it down.
+
+    On success every rank meets at a barrier before leaving, so no rank exits while another still
+    needs it. On an exception there is no barrier (the peers may be gone or hung): the group is
+    destroyed and the error propagates: the process exits non-zero and the launcher ends the job.
+    """
+    device = select_device(env, config)
+    if env.world_size > 1:
+        if env.launcher == "slurm":
+            _require_rendezvous_address()
+        dist.init_process_group(
+            backend=select_backend(device, config),
+            init_method="env://",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(seconds=config.timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    try:
+        yield device
+    except BaseException:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _require_rendezvous_address() -> None:
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise DistributedError(
+            f"{' and '.join(missing)} not set: with one Slurm task per GPU the ranks meet at "
+            "MASTER_ADDR:MASTER_PORT. Export them in the batch script (the first host of "
+            '`scontrol show hostnames "$SLURM_JOB_NODELIST"` and a free port), or use torchrun.'
+        )
+
+
+def is_distributed() -> bool:
+    """True when a process group is running (more than one rank)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier() -> None:
+    """Wait for every rank; a no-op for a single process."""
+    if is_distributed():
+        dist.barrier()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum `tensor` over ranks in place and return it; unchanged for a single process."""
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor

@@ -1,0 +1,82 @@
+"""Entry point: `python -m {{ cookiecutter.package_name }}.train [--config FILE] [section.key=value ...]`.
+
+The same command runs as a single process, under `torchrun --nproc-per-node=N`, and under Slurm.
+Running it again with the same run directory resumes from the newest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from .config import ConfigError, load_config, to_yaml
+from .distributed import detect_env, process_group
+from .logs import setup_logging
+from .metrics import MetricsLogger
+from .task import Task
+{%- if cookiecutter.tracker != "none" %}
+from .tracker import Tracker
+{%- endif %}
+from .trainer import Trainer, accumulation_steps
+
+log = logging.getLogger(__name__)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="{{ cookiecutter.project_slug }}-train",
+        description="Train with DistributedDataParallel (single process, torchrun or Slurm).",
+        epilog="Overrides: section.key=value, e.g. train.max_steps=100 run.dir=runs/exp1",
+    )
+    parser.add_argument("--config", type=Path, help="YAML file on top of the defaults")
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config and exit"
+    )
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    return parser.parse_args(argv)
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    env = detect_env()
+    try:
+        config = load_config(args.config, args.overrides)
+        # Checked before any process group starts: a bad batch split fails fast on every rank.
+        accumulation_steps(
+            config.train.global_batch_size, config.train.micro_batch_size, env.world_size
+        )
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(to_yaml(config), end="")
+        return 0
+
+    run_dir = Path(config.run.dir)
+    setup_logging(env.rank, run_dir)
+    with process_group(env, config.dist) as device:
+        task = Task(config.task, seed=config.run.seed)
+        metrics = MetricsLogger(run_dir, is_main=env.is_main)
+        trainer = Trainer(config, task, env, device, run_dir, metrics)
+        if config.checkpoint.resume:
+            trainer.resume()
+        if env.is_main:
+            (run_dir / "config.yaml").write_text(to_yaml(config))
+{%- if cookiecutter.tracker != "none" %}
+            if config.tracker.enabled:
+                metrics.tracker = Tracker(config, run_dir, resume_step=trainer.step)
+{%- endif %}
+        try:
+            trainer.fit()
+        finally:
+            metrics.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,400 @@
+"""The training loop: accumulation under `no_sync`, mixed precision, clipping, scheduling,
+exact evaluation, checkpoints and resume.
+
+The task (task.py) supplies data, model, loss and metrics; this module owns how a step runs.
+One optimizer step consumes `accumulation_steps` micro-batches on every rank; gradients are
+all-reduced once, on the last of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import platform
+import random
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.lr_scheduler import LambdaLR
+
+from . import __version__
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import Config, ConfigError
+from .data import build_eval_loader, build_train_loader
+from .distributed import DistEnv, all_reduce_sum
+from .metrics import MetricsLogger
+from .task import Task
+
+log = logging.getLogger(__name__)
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
+
+
+class ResumeError(RuntimeError):
+    """The checkpoint in the run directory cannot continue this run as configured."""
+
+
+def accumulation_steps(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
+    """Micro-steps per optimizer step, so that the global batch is the same on 1 or 64 ranks."""
+    per_micro_step = micro_batch_size * world_size
+    if global_batch_size % per_micro_step:
+        raise ConfigError(
+            f"train.global_batch_size={global_batch_size} is not a multiple of world size "
+            f"{world_size} x train.micro_batch_size={micro_batch_size} = {per_micro_step}. "
+            f"Choose a global batch that is a multiple of {per_micro_step}, or another "
+            "train.micro_batch_size."
+        )
+    return global_batch_size // per_micro_step
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warmup to 1, then cosine decay to `min_lr_ratio` at `total_steps`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """Move the tensors of a batch (tensor, tuple, list or dict of them) to `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to_device(item, device) for item in batch)
+    if isinstance(batch, dict):
+        return {key: move_to_device(value, device) for key, value in batch.items()}
+    return batch
+
+
+def capture_rng(device: torch.device) -> dict[str, Any]:
+    """This rank's random number generator states (Python, torch CPU, and CUDA when used)."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_rng(state: dict[str, Any], device: torch.device) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class Trainer:
+    """Runs the optimization for one task on one rank; every rank runs the same Trainer."""
+
+    def __init__(
+        self,
+        config: Config,
+        task: Task,
+        env: DistEnv,
+        device: torch.device,
+        run_dir: Path,
+        metrics: MetricsLogger,
+    ) -> None:
+        self.config = config
+        self.task = task
+        self.env = env
+        self.device = device
+        self.run_dir = run_dir
+        self.metrics = metrics
+        train = config.train
+        self.accumulation_steps = accumulation_steps(
+            train.global_batch_size, train.micro_batch_size, env.world_size
+        )
+
+        # The same seed on every rank gives the same initial weights (DDP also broadcasts rank 0's).
+        torch.manual_seed(config.run.seed)
+        self.model = task.build_model().to(device)
+        self.ddp_model = self._wrap(self.model)
+        # From here on each rank draws its own random numbers (dropout, augmentation).
+        random.seed(config.run.seed + env.rank)
+        torch.manual_seed(config.run.seed + env.rank)
+
+        train_set, eval_set = task.build_datasets()
+        self.train_loader, self.sampler = build_train_loader(
+            train_set, env, config.data, train.micro_batch_size, config.run.seed, device
+        )
+        self.eval_loader = build_eval_loader(
+            eval_set, env, config.data, train.micro_batch_size, device
+        )
+        self.steps_per_epoch = len(self.sampler) // (
+            train.micro_batch_size * self.accumulation_steps
+        )
+        if self.steps_per_epoch == 0:
+            raise ConfigError(
+                f"the training set ({len(train_set)} samples) is smaller than one global batch "
+                f"({train.global_batch_size}); lower train.global_batch_size"
+            )
+        self.total_steps = (
+            train.max_steps if train.max_steps > 0 else train.epochs * self.steps_per_epoch
+        )
+
+        optim = config.optim
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=optim.lr,
+            betas=optim.betas,
+            weight_decay=optim.weight_decay,
+            fused=device.type == "cuda",
+        )
+        self.scheduler = LambdaLR(
+            self.optimizer,
+            partial(
+                warmup_cosine,
+                warmup_steps=optim.warmup_steps,
+                total_steps=self.total_steps,
+                min_lr_ratio=optim.min_lr_ratio,
+            ),
+        )
+        self.autocast_dtype = AUTOCAST_DTYPES[train.mixed_precision]
+        # Loss scaling only for fp16: bf16 has fp32's exponent range and needs none.
+        self.scaler = torch.amp.GradScaler(device.type, enabled=train.mixed_precision == "fp16")
+
+        self.step = 0
+        # Train-loss sums since the last log line; kept in the checkpoint so resumed logs match.
+        self.window_loss = torch.zeros((), dtype=torch.float64, device=device)
+        self.window_steps = 0
+
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.env.world_size == 1:
+            return model
+        dist_config = self.config.dist
+        return DistributedDataParallel(
+            model,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            bucket_cap_mb=dist_config.bucket_cap_mb,
+            find_unused_parameters=dist_config.find_unused_parameters,
+            static_graph=dist_config.static_graph,
+            gradient_as_bucket_view=True,
+        )
+
+    # --- the step ---------------------------------------------------------------------------
+
+    def autocast(self) -> AbstractContextManager:
+        return torch.autocast(
+            self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
+        )
+
+    def _sync_context(self, last_micro_step: bool) -> AbstractContextManager:
+        # no_sync must cover forward AND backward: DDP prepares its gradient reduction in forward.
+        if last_micro_step or not isinstance(self.ddp_model, DistributedDataParallel):
+            return nullcontext()
+        return self.ddp_model.no_sync()
+
+    def train_step(self, batches: Iterator[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over `accumulation_steps` micro-batches: (mean loss, grad norm)."""
+        self.ddp_model.train()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for micro_step in range(self.accumulation_steps):
+            batch = move_to_device(next(batches), self.device)
+            with self._sync_context(last_micro_step=micro_step == self.accumulation_steps - 1):
+                with self.autocast():
+                    loss = self.task.training_loss(self.ddp_model, batch)
+                self.scaler.scale(loss / self.accumulation_steps).backward()
+            loss_sum += loss.detach()
+        # Clip the true gradients: unscale first (a no-op unless fp16 loss scaling is on).
+        self.scaler.unscale_(self.optimizer)
+        grad_clip = self.config.optim.grad_clip
+        if grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
+        else:
+            grad_norm = torch.zeros((), device=self.device)
+        # With fp16, a step whose gradients hold inf/nan is skipped on every rank alike: the
+        # gradients were all-reduced, so every rank sees the same non-finite values.
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return loss_sum / self.accumulation_steps, grad_norm
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def fit(self) -> None:
+        """Train until `total_steps`, evaluating, logging and checkpointing on schedule."""
+        if self.step >= self.total_steps:
+            log.info(
+                "run already complete at step %d of %d; nothing to do", self.step, self.total_steps
+            )
+            return
+        log.info(
+            "training steps %d..%d: %d ranks, global batch %d = %d ranks x %d micro-batch x "
+            "%d accumulation, %d steps/epoch, device %s, precision %s",
+            self.step + 1,
+            self.total_steps,
+            self.env.world_size,
+            self.config.train.global_batch_size,
+            self.env.world_size,
+            self.config.train.micro_batch_size,
+            self.accumulation_steps,
+            self.steps_per_epoch,
+            self.device,
+            self.config.train.mixed_precision,
+        )
+        window_start = time.perf_counter()
+        while self.step < self.total_steps:
+            epoch, step_in_epoch = divmod(self.step, self.steps_per_epoch)
+            samples_per_rank_per_step = self.config.train.micro_batch_size * self.accumulation_steps
+            self.sampler.set_epoch(epoch, start_index=step_in_epoch * samples_per_rank_per_step)
+            batches = iter(self.train_loader)
+            for _ in range(step_in_epoch, self.steps_per_epoch):
+                if self.step >= self.total_steps:
+                    break
+                loss, grad_norm = self.train_step(batches)
+                self.step += 1
+                self.window_loss += loss
+                self.window_steps += 1
+                if self._due(self.config.train.log_every):
+                    self._log_train(epoch, grad_norm, time.perf_counter() - window_start)
+                    window_start = time.perf_counter()
+                if self._due(self.config.train.eval_every):
+                    self.metrics.log(
+                        self.step, {f"eval/{k}": v for k, v in self.evaluate().items()}
+                    )
+                if self._due(self.config.checkpoint.every_steps):
+                    self.save()
+        log.info("training complete at step %d", self.step)
+
+    def _due(self, every: int) -> bool:
+        return self.step % every == 0 or self.step == self.total_steps
+
+    def _log_train(self, epoch: int, grad_norm: torch.Tensor, elapsed: float) -> None:
+        # Every rank reaches this at the same step, so the all-reduce is safe here.
+        window = torch.stack(
+            [self.window_loss, torch.tensor(float(self.window_steps), device=self.device).double()]
+        )
+        all_reduce_sum(window)
+        loss = (window[0] / window[1]).item()
+        samples = self.window_steps * self.config.train.global_batch_size
+        values = {
+            "train/loss": loss,
+            "train/lr": self.scheduler.get_last_lr()[0],
+            "train/grad_norm": grad_norm.item(),
+            "train/samples_per_s": samples / elapsed,
+            "train/step_time_s": elapsed / self.window_steps,
+            "epoch": epoch,
+        }
+        log.info(
+            "step %d/%d | epoch %d | loss %.4f | lr %.2e | %.0f samples/s",
+            self.step,
+            self.total_steps,
+            epoch,
+            loss,
+            values["train/lr"],
+            values["train/samples_per_s"],
+        )
+        self.metrics.log(self.step, values)
+        self.window_loss.zero_()
+        self.window_steps = 0
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Metrics over the whole evaluation set, each sample counted once across all ranks."""
+        self.model.eval()
+        names = (*self.task.metric_names, "count")
+        totals = torch.zeros(len(names), dtype=torch.float64, device=self.device)
+        for batch in self.eval_loader:
+            with self.autocast():
+                sums = self.task.evaluation_sums(self.model, move_to_device(batch, self.device))
+            totals += torch.stack([sums[name].double() for name in names])
+        all_reduce_sum(totals)
+        count = totals[-1].item()
+        metrics = {
+            name: (totals[i] / count).item() for i, name in enumerate(self.task.metric_names)
+        }
+        log.info(
+            "eval at step %d | %s",
+            self.step,
+            " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
+        )
+        return metrics
+
+    # --- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The replicated state: identical on every rank, written once by rank 0."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "step": self.step,
+            "epoch": self.step // self.steps_per_epoch,
+            "step_in_epoch": self.step % self.steps_per_epoch,
+            "sampler": {
+                "seed": self.sampler.seed,
+                "epoch": self.sampler.epoch,
+                "start_index": self.sampler.start_index,
+            },
+            "world_size": self.env.world_size,
+            "global_batch_size": self.config.train.global_batch_size,
+            "config": self.config.to_dict(),
+            "versions": {
+                "package": __version__,
+                "torch": str(torch.__version__),
+                "python": platform.python_version(),
+            },
+        }
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """What differs between ranks: RNG streams and this rank's share of the logging window."""
+        return {
+            "rank": self.env.rank,
+            "rng": capture_rng(self.device),
+            "window_loss": self.window_loss,
+            "window_steps": self.window_steps,
+        }
+
+    def save(self) -> Path:
+        path = save_checkpoint(
+            self.run_dir,
+            self.step,
+            self.state_dict(),
+            self.rank_state_dict(),
+            self.env,
+            keep_last=self.config.checkpoint.keep_last,
+        )
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def resume(self) -> bool:
+        """Continue from the newest complete checkpoint in the run directory, if there is one."""
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            return False
+        state, rank_state = load_checkpoint(path, self.env.rank)
+        self._check_resumable(state, path)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.step = state["step"]
+        restore_rng(rank_state["rng"], self.device)
+        self.window_loss = rank_state["window_loss"].to(self.device)
+        self.window_steps = rank_state["window_steps"]
+        self.metrics.truncate_after(self.step)
+        log.info("resumed from %s at step %d", path, self.step)
+        return True
+
+    def _check_resumable(self, state: dict[str, Any], path: Path) -> None:
+        saved, now = state["world_size"], self.env.world_size
+        if saved != now:
+            raise ResumeError(
+                f"{path} was written by {saved} ranks but this run has {now}: the per-rank random "
+                f"states and data shards would not line up. Resume with {saved} processes, or "
+                "start a new run with another run.dir."
+            )
+        saved_batch, batch = state["global_batch_size"], self.config.train.global_batch_size
+        if saved_batch != batch:
+            raise ResumeError(
+                f"{path} was trained with train.global_batch_size={saved_batch}, this run sets "
+                f"{batch}: the position in the data would be wrong. Keep the global batch, or use "
+                "another run.dir."
+            )
