@@ -1,0 +1,69 @@
+"""Sharding: which rank sees which sample, in training and in evaluation."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import TensorDataset
+
+from {{ cookiecutter.package_name }}.data import EvalShardSampler, ResumableDistributedSampler
+from {{ cookiecutter.package_name }}.distributed import DistEnv
+
+WORLD = 2
+
+
+def _dataset(size: int) -> TensorDataset:
+    return TensorDataset(torch.arange(size))
+
+
+def _shards(size: int, epoch: int, seed: int = 0) -> list[list[int]]:
+    shards = []
+    for rank in range(WORLD):
+        env = DistEnv(rank=rank, world_size=WORLD)
+        sampler = ResumableDistributedSampler(_dataset(size), env, seed)
+        sampler.set_epoch(epoch)
+        shards.append(list(sampler))
+    return shards
+
+
+def test_train_shards_are_disjoint_equal_and_cover_the_data() -> None:
+    """Two ranks get the same number of distinct samples; only the uneven tail is dropped."""
+    shards = _shards(size=101, epoch=0)
+    assert len(shards[0]) == len(shards[1]) == 50
+    assert not set(shards[0]) & set(shards[1])
+    assert len(set(shards[0]) | set(shards[1])) == 100
+
+
+def test_train_order_changes_between_epochs() -> None:
+    """set_epoch reshuffles: the same rank sees a different order (and set) next epoch."""
+    assert _shards(size=100, epoch=0) != _shards(size=100, epoch=1)
+
+
+def test_start_index_resumes_inside_the_epoch() -> None:
+    """Starting at k yields exactly the rest of the shard that a full pass would yield."""
+    sampler = ResumableDistributedSampler(_dataset(100), DistEnv(rank=1, world_size=WORLD), seed=0)
+    sampler.set_epoch(3)
+    full = list(sampler)
+    sampler.set_epoch(3, start_index=20)
+    assert list(sampler) == full[20:]
+    assert len(sampler) == len(full) - 20
+
+
+def test_global_batches_do_not_depend_on_world_size() -> None:
+    """Step s uses the same samples with 1 or 2 ranks, so a run can move between world sizes."""
+    size, global_batch = 96, 16
+    one = ResumableDistributedSampler(_dataset(size), DistEnv(), seed=5)
+    one.set_epoch(2)
+    single = list(one)
+    shards = _shards(size, epoch=2, seed=5)
+    per_rank = global_batch // WORLD
+    for step in range(size // global_batch):
+        together = set()
+        for shard in shards:
+            together |= set(shard[step * per_rank : (step + 1) * per_rank])
+        assert together == set(single[step * global_batch : (step + 1) * global_batch])
+
+
+def test_eval_shards_count_every_sample_exactly_once() -> None:
+    """Evaluation never pads: 101 samples over 2 ranks are 51 + 50, no duplicates."""
+    shards = [list(EvalShardSampler(101, DistEnv(rank=r, world_size=WORLD))) for r in range(WORLD)]
+    assert sorted(shards[0] + shards[1]) == list(range(101))

@@ -1,0 +1,46 @@
+"""Real multi-process training: 2 ranks over gloo on CPU, launched by torchrun."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from {{ cookiecutter.package_name }}.checkpoint import latest_checkpoint, load_checkpoint
+from {{ cookiecutter.package_name }}.metrics import read_metrics
+
+from .helpers import FAST, run_torchrun
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+
+def test_two_ranks_train_checkpoint_and_resume(tmp_path: Path) -> None:
+    """torchrun with 2 gloo ranks trains, checkpoints, and a second launch resumes from it."""
+    run_dir = tmp_path / "run"
+    first = run_torchrun(2, [*FAST, f"run.dir={run_dir}", "train.max_steps=8"])
+    assert first.returncode == 0, first.stderr
+    assert "2 ranks" in first.stderr
+    checkpoint = latest_checkpoint(run_dir)
+    assert checkpoint is not None and checkpoint.name == "step_00000008"
+    assert {path.name for path in checkpoint.iterdir()} >= {"rank_00000.pt", "rank_00001.pt"}
+
+    second = run_torchrun(2, [*FAST, f"run.dir={run_dir}", "train.max_steps=16"])
+    assert second.returncode == 0, second.stderr
+    assert "resumed from" in second.stderr and "at step 8" in second.stderr
+    state, _ = load_checkpoint(latest_checkpoint(run_dir), rank=0)
+    assert (state["step"], state["world_size"]) == (16, 2)
+
+    losses = [r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r]
+    assert [r["step"] for r in read_metrics(run_dir) if "train/loss" in r] == list(range(2, 17, 2))
+    assert all(math.isfinite(loss) for loss in losses)
+    assert losses[-1] < losses[0]
+
+
+def test_failing_rank_ends_the_job_with_an_error(tmp_path: Path) -> None:
+    """A bad setting found after start-up makes every rank exit non-zero instead of hanging."""
+    result = run_torchrun(
+        2, [*FAST, f"run.dir={tmp_path / 'run'}", "task.num_train_samples=16"], timeout=120
+    )
+    assert result.returncode != 0
+    assert "smaller than one global batch" in result.stderr

@@ -1,0 +1,42 @@
+"""The same training on CUDA with NCCL. Skipped, with the reason, where GPUs are missing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from {{ cookiecutter.package_name }}.checkpoint import latest_checkpoint, load_checkpoint
+
+from .helpers import FAST, run_torchrun
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+needs_two_gpus = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason=f"needs 2 GPUs, found {torch.cuda.device_count()}"
+)
+
+
+@needs_cuda
+def test_one_gpu_trains(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = run_torchrun(1, [*FAST, f"run.dir={run_dir}", "train.max_steps=8"])
+    assert result.returncode == 0, result.stderr
+    assert "device cuda:0" in result.stderr
+
+
+@needs_cuda
+@needs_two_gpus
+def test_two_gpus_train_checkpoint_and_resume_with_nccl(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    first = run_torchrun(2, [*FAST, f"run.dir={run_dir}", "train.max_steps=8", "dist.backend=nccl"])
+    assert first.returncode == 0, first.stderr
+    second = run_torchrun(
+        2, [*FAST, f"run.dir={run_dir}", "train.max_steps=16", "dist.backend=nccl"]
+    )
+    assert second.returncode == 0, second.stderr
+    assert "resumed from" in second.stderr
+    state, _ = load_checkpoint(latest_checkpoint(run_dir), rank=0)
+    assert (state["step"], state["world_size"]) == (16, 2)
