@@ -1,3 +1,3 @@
-"""{{ cookiecutter.description }}"""
+"""{{ cookiecutter.description | replace('\\', '\\\\') | replace('"', '\\"') }}"""
 
 __version__ = "0.1.0"

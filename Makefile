@@ -1,0 +1,41 @@
+# Everything runs from a local virtual environment (.venv) built from requirements-test.txt.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+DEMO := build/demo
+
+.PHONY: venv test lint demo docs clean
+
+$(VENV)/.installed: requirements-test.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements-test.txt
+	touch $@
+
+venv: $(VENV)/.installed
+
+## The whole test suite: every option combination rendered and linted, hook errors, and the
+## default project's own suite (including 2-process gloo training).
+test: venv
+	$(BIN)/python -m pytest
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+## Render the default project and train it with 2 processes on CPU, then launch it again to
+## show that it resumes from its checkpoint.
+demo: venv
+	rm -rf $(DEMO)
+	$(BIN)/cookiecutter --no-input . --output-dir $(DEMO)
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e $(DEMO)/ddp-project
+	cd $(DEMO)/ddp-project && OMP_NUM_THREADS=1 $(CURDIR)/$(BIN)/torchrun --standalone --nproc-per-node=2 \
+		-m ddp_project.train --config configs/default.yaml train.max_steps=60
+	cd $(DEMO)/ddp-project && OMP_NUM_THREADS=1 $(CURDIR)/$(BIN)/torchrun --standalone --nproc-per-node=2 \
+		-m ddp_project.train --config configs/default.yaml train.max_steps=100
+
+docs: venv
+	$(BIN)/python docs/generate_options.py
+
+clean:
+	rm -rf $(VENV) build
