@@ -1,0 +1,31 @@
+"""Documentation derived from cookiecutter.json stays in step with it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location(
+        "generate_options", ROOT / "docs" / "generate_options.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_options_page_is_up_to_date() -> None:
+    """docs/options.md is what `make docs` generates from cookiecutter.json today."""
+    context = json.loads((ROOT / "cookiecutter.json").read_text())
+    expected = _generator().render_options_page(context)
+    assert (ROOT / "docs" / "options.md").read_text() == expected, "run `make docs`"
+
+
+def test_every_option_has_a_prompt() -> None:
+    context = json.loads((ROOT / "cookiecutter.json").read_text())
+    public = {name for name in context if not name.startswith("_")}
+    assert public == set(context["__prompts__"])
