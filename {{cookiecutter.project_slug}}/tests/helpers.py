@@ -1,10 +1,26 @@
-"""Helpers shared by the tests: small fast configs and a torchrun launcher."""
+"""Helpers shared by the tests: small fast configs, trainers, and multi-process launchers."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils.data import Dataset, TensorDataset
+
+from {{ cookiecutter.package_name }}.config import Config
+from {{ cookiecutter.package_name }}.distributed import DistEnv
+from {{ cookiecutter.package_name }}.metrics import MetricsLogger
+from {{ cookiecutter.package_name }}.task import Task
+from {{ cookiecutter.package_name }}.trainer import Trainer
 
 #: Overrides that make a run take seconds on a laptop CPU.
 FAST = [
@@ -36,3 +52,90 @@ def run_torchrun(
         *overrides,
     ]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def spawn(
+    world_size: int, worker: Callable[..., Any], *args: Any, workdir: Path, timeout: float = 120
+) -> list[Any]:
+    """Run `worker(rank, world_size, *args)` on `world_size` fresh processes joined by gloo.
+
+    The ranks meet through a FileStore in `workdir` (no port, so tests never collide). Returns
+    each rank's return value, in rank order. A worker's exception fails the test with its
+    traceback; a hang is killed after `timeout` seconds.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    context = mp.start_processes(
+        _spawned,
+        args=(world_size, worker, args, str(workdir)),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"{worker.__name__} did not finish within {timeout} s")
+    return [
+        torch.load(workdir / f"result_{rank}.pt", weights_only=False) for rank in range(world_size)
+    ]
+
+
+def _spawned(
+    rank: int, world_size: int, worker: Callable[..., Any], args: tuple, workdir: str
+) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(workdir, "store"), world_size)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+    )
+    try:
+        result = worker(rank, world_size, *args)
+        torch.save(result, os.path.join(workdir, f"result_{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def env_for(rank: int, world_size: int) -> DistEnv:
+    return DistEnv(rank=rank, local_rank=rank, world_size=world_size, launcher="test")
+
+
+def make_trainer(config: Config, env: DistEnv | None = None, task: Task | None = None) -> Trainer:
+    """A CPU trainer for `config` (single process unless `env` says otherwise)."""
+    env = env or DistEnv()
+    run_dir = Path(config.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    task = task or Task(config.task, config.run.seed)
+    metrics = MetricsLogger(run_dir, is_main=env.is_main)
+    return Trainer(config, task, env, torch.device("cpu"), run_dir, metrics)
+
+
+def train_steps(trainer: Trainer, steps: int) -> dict[str, torch.Tensor]:
+    """Run `steps` optimizer steps from the start of epoch 0; return a copy of the weights."""
+    trainer.sampler.set_epoch(0)
+    batches = iter(trainer.train_loader)
+    for _ in range(steps):
+        trainer.train_step(batches)
+        trainer.step += 1
+    return {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
+
+
+def flat_grads(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([param.grad.detach().flatten() for param in model.parameters()]).clone()
+
+
+class Float64Task(Task):
+    """The example task in float64, so that comparisons between runs can be tight."""
+
+    def build_model(self) -> torch.nn.Module:
+        return super().build_model().double()
+
+    def build_datasets(self) -> tuple[Dataset, Dataset]:
+        train, evaluation = super().build_datasets()
+        return _as_float64(train), _as_float64(evaluation)
+
+
+def _as_float64(dataset: TensorDataset) -> TensorDataset:
+    inputs, labels = dataset.tensors
+    return TensorDataset(inputs.double(), labels)

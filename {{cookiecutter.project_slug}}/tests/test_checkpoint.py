@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from {{ cookiecutter.package_name }} import checkpoint as checkpoint_module
 from {{ cookiecutter.package_name }}.checkpoint import (
     COMPLETE_MARKER,
     complete_checkpoints,
@@ -14,35 +15,18 @@ from {{ cookiecutter.package_name }}.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from {{ cookiecutter.package_name }}.config import Config
+from {{ cookiecutter.package_name }}.config import Config, load_config
 from {{ cookiecutter.package_name }}.distributed import DistEnv
-from {{ cookiecutter.package_name }}.metrics import MetricsLogger
-from {{ cookiecutter.package_name }}.task import Task
-from {{ cookiecutter.package_name }}.trainer import ResumeError, Trainer
+from {{ cookiecutter.package_name }}.trainer import ResumeError
+
+from .helpers import FAST, make_trainer, train_steps
 
 SINGLE = DistEnv()
 
 
-def _trainer(config: Config, env: DistEnv = SINGLE) -> Trainer:
-    run_dir = Path(config.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    metrics = MetricsLogger(run_dir, is_main=env.is_main)
-    return Trainer(
-        config, Task(config.task, config.run.seed), env, torch.device("cpu"), run_dir, metrics
-    )
-
-
-def _train(trainer: Trainer, steps: int) -> None:
-    trainer.sampler.set_epoch(0)
-    batches = iter(trainer.train_loader)
-    for _ in range(steps):
-        trainer.train_step(batches)
-        trainer.step += 1
-
-
 def test_state_holds_everything_needed_to_resume(fast_config: Config) -> None:
     """The replicated state: model, optimizer, scheduler, scaler, position, config, versions."""
-    trainer = _trainer(fast_config)
+    trainer = make_trainer(fast_config)
     assert set(trainer.state_dict()) == {
         "model",
         "optimizer",
@@ -62,18 +46,18 @@ def test_state_holds_everything_needed_to_resume(fast_config: Config) -> None:
 
 def test_model_keys_have_no_wrapper_prefix(fast_config: Config) -> None:
     """Weights load into a bare model: no `module.` (DDP) or `_orig_mod.` (compile) prefixes."""
-    keys = list(_trainer(fast_config).state_dict()["model"])
+    keys = list(make_trainer(fast_config).state_dict()["model"])
     assert keys
     assert not [key for key in keys if key.startswith(("module.", "_orig_mod."))]
 
 
 def test_round_trip_restores_weights_optimizer_and_position(fast_config: Config) -> None:
     """Save after 3 steps, resume in a fresh trainer: every tensor and counter is equal."""
-    trainer = _trainer(fast_config)
-    _train(trainer, steps=3)
+    trainer = make_trainer(fast_config)
+    train_steps(trainer, steps=3)
     trainer.save()
 
-    resumed = _trainer(fast_config)
+    resumed = make_trainer(fast_config)
     assert resumed.resume()
     assert resumed.step == 3
     for name, tensor in trainer.model.state_dict().items():
@@ -90,7 +74,7 @@ def test_round_trip_restores_weights_optimizer_and_position(fast_config: Config)
 
 def test_files_are_loaded_with_the_safe_unpickler(fast_config: Config) -> None:
     """Everything saved loads with weights_only=True, so a checkpoint cannot run code."""
-    trainer = _trainer(fast_config)
+    trainer = make_trainer(fast_config)
     path = trainer.save()
     state, rank_state = load_checkpoint(path, rank=0)
     assert state["step"] == 0
@@ -99,7 +83,7 @@ def test_files_are_loaded_with_the_safe_unpickler(fast_config: Config) -> None:
 
 def test_checkpoint_without_marker_is_never_loaded(fast_config: Config) -> None:
     """A directory whose COMPLETE marker is missing (a crash mid-save) is skipped."""
-    trainer = _trainer(fast_config)
+    trainer = make_trainer(fast_config)
     first = trainer.save()
     trainer.step = 8
     second = trainer.save()
@@ -129,7 +113,7 @@ def test_keeps_only_the_last_n(tmp_path: Path) -> None:
 
 def test_resume_with_another_world_size_fails_clearly(fast_config: Config) -> None:
     """Per-rank state cannot be mapped onto a different number of ranks: say so, do not guess."""
-    trainer = _trainer(fast_config)
+    trainer = make_trainer(fast_config)
     save_checkpoint(
         trainer.run_dir,
         4,
@@ -139,10 +123,40 @@ def test_resume_with_another_world_size_fails_clearly(fast_config: Config) -> No
         3,
     )
     with pytest.raises(ResumeError, match="written by 2 ranks but this run has 1"):
-        _trainer(fast_config).resume()
+        make_trainer(fast_config).resume()
 
 
 def test_fresh_run_directory_starts_at_step_zero(fast_config: Config) -> None:
-    trainer = _trainer(fast_config)
+    trainer = make_trainer(fast_config)
     assert not trainer.resume()
     assert trainer.step == 0
+
+
+def test_fp16_scaler_state_round_trips(tmp_path: Path) -> None:
+    """The GradScaler's scale and growth tracker survive a save and a resume."""
+    config = load_config(None, [*FAST, f"run.dir={tmp_path}", "train.mixed_precision=fp16"])
+    trainer = make_trainer(config)
+    train_steps(trainer, steps=2)
+    trainer.scaler.update(1024.0)  # a scale that differs from a fresh scaler's
+    trainer.save()
+    resumed = make_trainer(config)
+    assert resumed.scaler.state_dict() != trainer.scaler.state_dict()
+    resumed.resume()
+    assert resumed.scaler.state_dict() == trainer.scaler.state_dict()
+    assert resumed.scaler.get_scale() == 1024.0
+
+
+def test_completion_marker_is_written_last(
+    fast_config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When COMPLETE is written, the state and every rank file are already in place."""
+    write_text = checkpoint_module._atomic_write_text
+    seen: list[set[str]] = []
+
+    def checking_write_text(path: Path, text: str) -> None:
+        seen.append({p.name for p in path.parent.iterdir()})
+        write_text(path, text)
+
+    monkeypatch.setattr(checkpoint_module, "_atomic_write_text", checking_write_text)
+    make_trainer(fast_config).save()
+    assert seen == [{"state.pt", "rank_00000.pt"}]

@@ -90,6 +90,8 @@ class DistConfig:
     """Device, process group and DistributedDataParallel settings.
 
     `auto` picks CUDA with NCCL when a GPU is visible, else CPU with gloo.
+    `check_replicas_every` > 0 compares a checksum of every parameter across ranks every that
+    many steps (a debugging aid: replicas that drift apart mean a bug outside DDP).
     """
 
     device: Literal["auto", "cuda", "cpu"] = "auto"
@@ -98,6 +100,7 @@ class DistConfig:
     bucket_cap_mb: int = 25
     find_unused_parameters: bool = False
     static_graph: bool = False
+    check_replicas_every: int = 0
 {%- if cookiecutter.tracker != "none" %}
 
 
@@ -182,6 +185,8 @@ def validate(config: Config) -> None:
             f"train.global_batch_size={config.train.global_batch_size} is not a multiple of "
             f"train.micro_batch_size={config.train.micro_batch_size}"
         )
+    if config.dist.check_replicas_every < 0:
+        raise ConfigError("dist.check_replicas_every must be >= 0 (0 turns the check off)")
     if config.data.num_workers < 0:
         raise ConfigError(f"data.num_workers must be >= 0, got {config.data.num_workers}")
     if config.optim.lr <= 0:

@@ -23,6 +23,10 @@ class DistributedError(RuntimeError):
     """The launch environment cannot start a process group as configured."""
 
 
+class ReplicaMismatchError(RuntimeError):
+    """The model replicas on different ranks no longer hold the same parameters."""
+
+
 @dataclass(frozen=True)
 class DistEnv:
     """This process's place in the job, read from the launcher's environment variables."""
@@ -134,6 +138,26 @@ def barrier() -> None:
     """Wait for every rank; a no-op for a single process."""
     if is_distributed():
         dist.barrier()
+
+
+def check_replicas(model: torch.nn.Module, step: int) -> None:
+    """Raise on every rank if any rank's parameters differ from rank 0's.
+
+    Each rank all-gathers one float64 checksum per parameter; the comparison is exact, so any
+    drift (a rank-local update, a non-deterministic op outside DDP) is caught the step it appears.
+    """
+    if not is_distributed():
+        return
+    with torch.no_grad():
+        local = torch.stack([param.detach().double().sum() for param in model.parameters()])
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    differing = [rank for rank, sums in enumerate(gathered) if not torch.equal(sums, gathered[0])]
+    if differing:
+        raise ReplicaMismatchError(
+            f"step {step}: parameters on rank(s) {differing} differ from rank 0. Look for "
+            "parameter updates outside the optimizer step, or random ops that depend on the rank."
+        )
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from . import __version__
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, ConfigError
 from .data import build_eval_loader, build_train_loader
-from .distributed import DistEnv, all_reduce_sum
+from .distributed import DistEnv, all_reduce_sum, check_replicas
 from .metrics import MetricsLogger
 from .task import Task
 
@@ -162,6 +162,7 @@ class Trainer:
         # Train-loss sums since the last log line; kept in the checkpoint so resumed logs match.
         self.window_loss = torch.zeros((), dtype=torch.float64, device=device)
         self.window_steps = 0
+        self.window_start = time.perf_counter()
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         if self.env.world_size == 1:
@@ -238,7 +239,7 @@ class Trainer:
             self.device,
             self.config.train.mixed_precision,
         )
-        window_start = time.perf_counter()
+        self.window_start = time.perf_counter()
         while self.step < self.total_steps:
             epoch, step_in_epoch = divmod(self.step, self.steps_per_epoch)
             samples_per_rank_per_step = self.config.train.micro_batch_size * self.accumulation_steps
@@ -251,16 +252,21 @@ class Trainer:
                 self.step += 1
                 self.window_loss += loss
                 self.window_steps += 1
-                if self._due(self.config.train.log_every):
-                    self._log_train(epoch, grad_norm, time.perf_counter() - window_start)
-                    window_start = time.perf_counter()
-                if self._due(self.config.train.eval_every):
-                    self.metrics.log(
-                        self.step, {f"eval/{k}": v for k, v in self.evaluate().items()}
-                    )
-                if self._due(self.config.checkpoint.every_steps):
-                    self.save()
+                self._periodic(epoch, grad_norm)
         log.info("training complete at step %d", self.step)
+
+    def _periodic(self, epoch: int, grad_norm: torch.Tensor) -> None:
+        """What runs between steps on schedule. Every rank takes the same branches."""
+        config = self.config
+        if config.dist.check_replicas_every and self._due(config.dist.check_replicas_every):
+            check_replicas(self.model, self.step)
+        if self._due(config.train.log_every):
+            self._log_train(epoch, grad_norm, time.perf_counter() - self.window_start)
+            self.window_start = time.perf_counter()
+        if self._due(config.train.eval_every):
+            self.metrics.log(self.step, {f"eval/{k}": v for k, v in self.evaluate().items()})
+        if self._due(config.checkpoint.every_steps):
+            self.save()
 
     def _due(self, every: int) -> bool:
         return self.step % every == 0 or self.step == self.total_steps
