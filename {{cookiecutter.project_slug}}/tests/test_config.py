@@ -45,6 +45,11 @@ def test_overrides_win_over_the_file(tmp_path: Path) -> None:
     assert config.dist.static_graph is True
 
 
+def test_scientific_notation_is_a_float() -> None:
+    """YAML reads `1e-4` as a string; float settings accept it as the number it means."""
+    assert load_config(None, ["optim.lr=1e-4"]).optim.lr == 1e-4
+
+
 def test_int_is_accepted_for_a_float() -> None:
     """`optim.lr=1` means 1.0: ints widen to floats, nothing else is coerced."""
     assert load_config(None, ["optim.lr=1"]).optim.lr == 1.0

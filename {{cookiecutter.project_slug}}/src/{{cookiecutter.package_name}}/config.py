@@ -271,6 +271,11 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     elif hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif hint is str and isinstance(value, str):
         return value
     expected = getattr(hint, "__name__", hint)

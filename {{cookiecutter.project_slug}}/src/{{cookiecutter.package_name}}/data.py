@@ -83,25 +83,33 @@ def build_train_loader(
         batch_size=micro_batch_size,
         sampler=sampler,
         drop_last=True,
-        **_loader_options(config, device),
+        **_loader_options(config, device, seed),
     )
     return loader, sampler
 
 
 def build_eval_loader(
-    dataset: Dataset, env: DistEnv, config: DataConfig, batch_size: int, device: torch.device
+    dataset: Dataset,
+    env: DistEnv,
+    config: DataConfig,
+    batch_size: int,
+    seed: int,
+    device: torch.device,
 ) -> DataLoader:
     """Every evaluation sample exactly once across all ranks."""
     sampler = EvalShardSampler(len(dataset), env)
     return DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, **_loader_options(config, device)
+        dataset, batch_size=batch_size, sampler=sampler, **_loader_options(config, device, seed)
     )
 
 
-def _loader_options(config: DataConfig, device: torch.device) -> dict:
+def _loader_options(config: DataConfig, device: torch.device, seed: int) -> dict:
     workers = config.num_workers
     return {
         "num_workers": workers,
         "pin_memory": config.pin_memory and device.type == "cuda",
         "persistent_workers": workers > 0,
+        # Without its own generator, every iter(loader) draws from the global torch RNG, so a
+        # run resumed mid-epoch (one extra iter) would get different dropout masks afterwards.
+        "generator": torch.Generator().manual_seed(seed),
     }

@@ -80,7 +80,7 @@ class Task:
     ) -> dict[str, torch.Tensor]:
         """Per-batch sums of each metric plus the sample count: sums stay exact across ranks."""
         inputs, labels = batch
-        logits = model(inputs).float()
+        logits = model(inputs).double()  # float64 sums stay exact when added up across ranks
         return {
             "loss": F.cross_entropy(logits, labels, reduction="sum"),
             "accuracy": (logits.argmax(dim=-1) == labels).sum(),

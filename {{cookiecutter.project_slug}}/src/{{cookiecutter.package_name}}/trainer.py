@@ -123,7 +123,7 @@ class Trainer:
             train_set, env, config.data, train.micro_batch_size, config.run.seed, device
         )
         self.eval_loader = build_eval_loader(
-            eval_set, env, config.data, train.micro_batch_size, device
+            eval_set, env, config.data, train.micro_batch_size, config.run.seed, device
         )
         self.steps_per_epoch = len(self.sampler) // (
             train.micro_batch_size * self.accumulation_steps
