@@ -35,7 +35,7 @@ def test_training_writes_to_the_tracker(tmp_path: Path) -> None:
     assert list((run_dir / "wandb").glob("offline-run-*"))
 {%- elif cookiecutter.tracker == "mlflow" %}
     run_id = (run_dir / "mlflow_run_id").read_text()
-    client = mlflow.MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
     history = client.get_metric_history(run_id, "train/loss")
     assert [point.step for point in history] == [2, 4]
 {%- endif %}

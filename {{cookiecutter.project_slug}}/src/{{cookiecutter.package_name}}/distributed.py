@@ -7,6 +7,7 @@ and trains as a single process without a process group.
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -115,6 +116,9 @@ def process_group(env: DistEnv, config: DistConfig) -> Iterator[torch.device]:
             dist.destroy_process_group()
         raise
     if dist.is_initialized():
+        # Free unreachable DDP objects now: a process group still referenced at interpreter
+        # exit can abort the process from gloo's worker threads.
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
 

@@ -45,7 +45,7 @@ RUN_ID_FILE = "wandb_run_id"
 
 
 class Tracker:
-    """Created on rank 0 only. The W&B run id is kept in the run directory so a restart resumes it."""
+    """Created on rank 0 only. The run id is kept in the run directory: a restart resumes it."""
 
     def __init__(self, config: Config, run_dir: Path, resume_step: int) -> None:
         id_file = run_dir / RUN_ID_FILE
@@ -67,8 +67,8 @@ class Tracker:
 {%- elif cookiecutter.tracker == "mlflow" -%}
 """MLflow run; resumed runs continue the same MLflow run.
 
-Without `tracker.tracking_uri`, runs are stored in `<run.dir>/mlruns`
-(view with `mlflow ui --backend-store-uri <run.dir>/mlruns`).
+Without `tracker.tracking_uri`, runs are stored in the SQLite file `<run.dir>/mlflow.db`
+(view with `mlflow ui --backend-store-uri sqlite:///<run.dir>/mlflow.db`).
 """
 
 from __future__ import annotations
@@ -83,10 +83,11 @@ RUN_ID_FILE = "mlflow_run_id"
 
 
 class Tracker:
-    """Created on rank 0 only. The MLflow run id is kept in the run directory so a restart resumes it."""
+    """Created on rank 0 only. The run id is kept in the run directory: a restart resumes it."""
 
     def __init__(self, config: Config, run_dir: Path, resume_step: int) -> None:
-        mlflow.set_tracking_uri(config.tracker.tracking_uri or (run_dir / "mlruns").resolve().as_uri())
+        local_store = f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+        mlflow.set_tracking_uri(config.tracker.tracking_uri or local_store)
         mlflow.set_experiment(config.tracker.project)
         id_file = run_dir / RUN_ID_FILE
         run_id = id_file.read_text().strip() if id_file.exists() else None

@@ -11,10 +11,11 @@ import logging
 import sys
 from pathlib import Path
 
+import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .config import ConfigError, load_config, to_yaml
-from .distributed import detect_env, process_group
+from .config import Config, ConfigError, load_config, to_yaml
+from .distributed import DistEnv, detect_env, process_group
 from .logs import setup_logging
 from .metrics import MetricsLogger
 from .task import Task
@@ -60,22 +61,27 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(config.run.dir)
     setup_logging(env.rank, run_dir)
     with process_group(env, config.dist) as device:
-        task = Task(config.task, seed=config.run.seed)
-        metrics = MetricsLogger(run_dir, is_main=env.is_main)
-        trainer = Trainer(config, task, env, device, run_dir, metrics)
-        if config.checkpoint.resume:
-            trainer.resume()
-        if env.is_main:
-            (run_dir / "config.yaml").write_text(to_yaml(config))
-{%- if cookiecutter.tracker != "none" %}
-            if config.tracker.enabled:
-                metrics.tracker = Tracker(config, run_dir, resume_step=trainer.step)
-{%- endif %}
-        try:
-            trainer.fit()
-        finally:
-            metrics.close()
+        train(config, env, device, run_dir)
     return 0
+
+
+def train(config: Config, env: DistEnv, device: torch.device, run_dir: Path) -> None:
+    """Build the task and trainer, resume if a checkpoint exists, and train to the end."""
+    task = Task(config.task, seed=config.run.seed)
+    metrics = MetricsLogger(run_dir, is_main=env.is_main)
+    trainer = Trainer(config, task, env, device, run_dir, metrics)
+    if config.checkpoint.resume:
+        trainer.resume()
+    if env.is_main:
+        (run_dir / "config.yaml").write_text(to_yaml(config))
+{%- if cookiecutter.tracker != "none" %}
+        if config.tracker.enabled:
+            metrics.tracker = Tracker(config, run_dir, resume_step=trainer.step)
+{%- endif %}
+    try:
+        trainer.fit()
+    finally:
+        metrics.close()
 
 
 if __name__ == "__main__":
