@@ -57,7 +57,13 @@ def run_torchrun(
 
 # Worker processes fork from a server that has already imported torch: much faster than a
 # fresh interpreter per worker, and unlike a plain fork it copies no test-runner threads.
-mp.set_forkserver_preload(["torch", "torch.distributed", "{{ cookiecutter.package_name }}.trainer"])
+mp.set_forkserver_preload(
+    [
+        "torch",
+        "torch.distributed",
+        "{{ cookiecutter.package_name }}.trainer",
+    ]
+)
 
 
 def spawn(

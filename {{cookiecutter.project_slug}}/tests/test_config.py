@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from {{ cookiecutter.package_name }}.config import Config, ConfigError, from_dict, load_config, to_yaml
+from {{ cookiecutter.package_name }}.config import (
+    Config,
+    ConfigError,
+    from_dict,
+    load_config,
+    to_yaml,
+)
 from {{ cookiecutter.package_name }}.train import main
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]

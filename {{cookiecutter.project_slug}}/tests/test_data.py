@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 from torch.utils.data import TensorDataset
 
-from {{ cookiecutter.package_name }}.data import EvalShardSampler, ResumableDistributedSampler
+from {{ cookiecutter.package_name }}.data import (
+    EvalShardSampler,
+    ResumableDistributedSampler,
+)
 from {{ cookiecutter.package_name }}.distributed import DistEnv
 
 WORLD = 2

@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from {{ cookiecutter.package_name }}.checkpoint import latest_checkpoint, load_checkpoint
+from {{ cookiecutter.package_name }}.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+)
 from {{ cookiecutter.package_name }}.metrics import read_metrics
 
 from .helpers import FAST, run_torchrun

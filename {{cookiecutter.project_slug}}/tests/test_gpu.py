@@ -7,7 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }}.checkpoint import latest_checkpoint, load_checkpoint
+from {{ cookiecutter.package_name }}.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+)
 
 from .helpers import FAST, run_torchrun
 

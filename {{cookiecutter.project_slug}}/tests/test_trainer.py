@@ -11,7 +11,10 @@ import pytest
 from {{ cookiecutter.package_name }}.config import ConfigError
 from {{ cookiecutter.package_name }}.metrics import read_metrics
 from {{ cookiecutter.package_name }}.train import main
-from {{ cookiecutter.package_name }}.trainer import accumulation_steps, warmup_cosine
+from {{ cookiecutter.package_name }}.trainer import (
+    accumulation_steps,
+    warmup_cosine,
+)
 
 from .helpers import FAST
 

@@ -1,4 +1,4 @@
-"""Entry point: `python -m {{ cookiecutter.package_name }}.train [--config FILE] [section.key=value ...]`.
+"""Entry point of training: `python -m <package>.train [--config FILE] [section.key=value ...]`.
 
 The same command runs as a single process, under `torchrun --nproc-per-node=N`, and under Slurm.
 Running it again with the same run directory resumes from the newest complete checkpoint.
