@@ -31,7 +31,8 @@ def is_refused(combo: dict) -> bool:
 
 def valid_combinations() -> list[dict]:
     names = list(CHOICES)
-    every = (dict(zip(names, values, strict=True)) for values in itertools.product(*CHOICES.values()))
+    products = itertools.product(*CHOICES.values())
+    every = (dict(zip(names, values, strict=True)) for values in products)
     return [combo for combo in every if not is_refused(combo)]
 
 

@@ -1,4 +1,9 @@
-"""The rendered default project installs into the test environment and passes its own suite."""
+"""Rendered projects pass their own test suites, including real 2-process gloo training.
+
+The default project is installed into the test environment, exactly as a user installs it. The
+other projects of a pairwise cover (every pair of option values appears in at least one of them)
+run from their source trees, so that several can share this environment side by side.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +16,31 @@ from pathlib import Path
 
 import pytest
 from cookiecutter.main import cookiecutter
+from matrix import DEFAULTS, ROOT, combo_id, pairwise_cover
 
-ROOT = Path(__file__).resolve().parents[1]
 TWO_RANK_TEST = "test_two_ranks_train_checkpoint_and_resume"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def run_project_suite(project: Path, env: dict[str, str]) -> dict[str, ET.Element]:
+    """Run the project's pytest; fail with its output unless it passes. Returns its test cases."""
+    report = project / "report.xml"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"],
+        cwd=project,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **env},
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    return {case.get("name"): case for case in ET.parse(report).iter("testcase")}
+
+
+def assert_two_ranks_ran(cases: dict[str, ET.Element]) -> None:
+    two_rank = cases[TWO_RANK_TEST]
+    assert two_rank.find("skipped") is None and two_rank.find("failure") is None
+    assert any("gpu" in name for name in cases), "the NCCL tests must be collected"
 
 
 @pytest.fixture(scope="module")
@@ -26,25 +51,22 @@ def installed_default_project(tmp_path_factory: pytest.TempPathFactory) -> Itera
     pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation"]
     subprocess.run([*pip, "-e", str(project)], check=True)
     yield project
-    subprocess.run(
-        [sys.executable, "-m", "pip", "uninstall", "--quiet", "-y", project.name], check=True
-    )
+    uninstall = [sys.executable, "-m", "pip", "uninstall", "--quiet", "--yes", project.name]
+    subprocess.run(uninstall, check=True)
 
 
 def test_default_project_suite_passes_with_two_gloo_ranks(installed_default_project: Path) -> None:
-    """The project's own pytest run passes, and its 2-process gloo test ran rather than skipped."""
-    report = installed_default_project / "report.xml"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"],
-        cwd=installed_default_project,
-        env=env,
-        capture_output=True,
-        text=True,
+    """The installed default project's suite passes, and its 2-process gloo test really ran."""
+    assert_two_ranks_ran(run_project_suite(installed_default_project, env={}))
+
+
+COVER = [combo for combo in pairwise_cover() if combo != DEFAULTS]
+
+
+@pytest.mark.parametrize("combo", COVER, ids=combo_id)
+def test_project_suite_passes_for_a_pairwise_cover_of_options(combo: dict, tmp_path: Path) -> None:
+    """Each project of the cover passes its own suite from its source tree."""
+    project = Path(
+        cookiecutter(str(ROOT), no_input=True, output_dir=str(tmp_path), extra_context=combo)
     )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    cases = {case.get("name"): case for case in ET.parse(report).iter("testcase")}
-    two_rank = cases[TWO_RANK_TEST]
-    assert two_rank.find("skipped") is None and two_rank.find("failure") is None
-    gpu_cases = [case for name, case in cases.items() if "gpu" in name]
-    assert gpu_cases, "the NCCL tests must be collected"
+    assert_two_ranks_ran(run_project_suite(project, env={"PYTHONPATH": str(project / "src")}))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import itertools
 import json
 import shutil
 import subprocess
@@ -20,42 +19,10 @@ from pathlib import Path
 import pytest
 import yaml
 from cookiecutter.main import cookiecutter
+from matrix import CHOICES, ROOT, combo_id, valid_combinations
 
-ROOT = Path(__file__).resolve().parents[1]
-CONTEXT = json.loads((ROOT / "cookiecutter.json").read_text())
-CHOICES = {
-    name: value if isinstance(value, list) else [True, False]
-    for name, value in CONTEXT.items()
-    if not name.startswith("_") and isinstance(value, (list, bool))
-}
-RULES = CONTEXT["_invalid_combinations"]
 BIN = Path(sys.executable).parent
 LEFTOVER_JINJA = ("{{ cookiecutter.", "{{cookiecutter.", "{%", "{#")
-
-
-def is_refused(combo: dict) -> bool:
-    """True when a rule of `_invalid_combinations` matches (value equal, or in a list)."""
-    for rule in RULES:
-        if all(
-            combo[key] in value if isinstance(value, list) else combo[key] == value
-            for key, value in rule["when"].items()
-        ):
-            return True
-    return False
-
-
-def valid_combinations() -> list[dict]:
-    names = list(CHOICES)
-    combos = [
-        dict(zip(names, values, strict=True)) for values in itertools.product(*CHOICES.values())
-    ]
-    return [combo for combo in combos if not is_refused(combo)]
-
-
-def combo_id(combo: dict) -> str:
-    return "-".join(f"{key}={value}" for key, value in combo.items())
-
-
 COMBINATIONS = valid_combinations()
 
 
