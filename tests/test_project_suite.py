@@ -66,7 +66,9 @@ COVER = [combo for combo in pairwise_cover() if combo != DEFAULTS]
 @pytest.mark.parametrize("combo", COVER, ids=combo_id)
 def test_project_suite_passes_for_a_pairwise_cover_of_options(combo: dict, tmp_path: Path) -> None:
     """Each project of the cover passes its own suite from its source tree."""
+    # A package name of its own, so that no other installed project can shadow it.
+    context = {**combo, "project_name": f"Cover {COVER.index(combo) + 1}"}
     project = Path(
-        cookiecutter(str(ROOT), no_input=True, output_dir=str(tmp_path), extra_context=combo)
+        cookiecutter(str(ROOT), no_input=True, output_dir=str(tmp_path), extra_context=context)
     )
     assert_two_ranks_ran(run_project_suite(project, env={"PYTHONPATH": str(project / "src")}))
