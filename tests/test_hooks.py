@@ -1,0 +1,181 @@
+"""The generation hooks: answers are validated as data, refused with a clear message, and a
+refused generation leaves nothing behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import jinja2
+import pytest
+from matrix import DEFAULTS, ROOT, RULES
+
+HOOKS = ROOT / "hooks"
+VALID = {
+    **DEFAULTS,
+    "project_name": "DDP Project",
+    "project_slug": "ddp-project",
+    "package_name": "ddp_project",
+    "description": "A project.",
+    "author_name": "Ada Lovelace",
+    "author_email": "ada@example.com",
+    "_invalid_combinations": RULES,
+}
+
+
+def load_hook(name: str, context: dict) -> types.ModuleType:
+    """Render a hook as cookiecutter does (answers as JSON) and import it as a module."""
+    source = (
+        jinja2.Environment().from_string((HOOKS / name).read_text()).render(cookiecutter=context)
+    )
+    module = types.ModuleType(name.removesuffix(".py"))
+    exec(compile(source, name, "exec"), module.__dict__)
+    return module
+
+
+@pytest.fixture(scope="module")
+def pre_gen() -> types.ModuleType:
+    return load_hook("pre_gen_project.py", VALID)
+
+
+def errors_for(pre_gen: types.ModuleType, **answers: object) -> list[str]:
+    return pre_gen.validate({**VALID, **answers})
+
+
+def test_valid_answers_pass(pre_gen: types.ModuleType) -> None:
+    assert errors_for(pre_gen) == []
+
+
+@pytest.mark.parametrize("slug", ["", ".", "..", ".hidden", "a/b", "../evil", "a\\b", "-x", "a b"])
+def test_unsafe_project_slug_is_refused(pre_gen: types.ModuleType, slug: str) -> None:
+    assert any("is not a safe directory name" in e for e in errors_for(pre_gen, project_slug=slug))
+
+
+@pytest.mark.parametrize(
+    ("package", "reason"),
+    [
+        ("1abc", "is not a valid import name"),
+        ("my-pkg", "is not a valid import name"),
+        ("MyPkg", "is not a valid import name"),
+        ("über", "is not a valid import name"),
+        ("class", "is a Python keyword"),
+        ("match", "is a Python keyword"),
+        ("json", "would shadow"),
+        ("os", "would shadow"),
+        ("torch", "would shadow"),
+        ("yaml", "would shadow"),
+        ("tests", "would shadow"),
+        ("a" * 51, "characters long"),
+    ],
+)
+def test_unusable_package_name_is_refused(
+    pre_gen: types.ModuleType, package: str, reason: str
+) -> None:
+    assert any(reason in e for e in errors_for(pre_gen, package_name=package))
+
+
+@pytest.mark.parametrize("email", ["nope", "a@b", "a @b.com", "@example.com", "a@@b.com"])
+def test_malformed_email_is_refused(pre_gen: types.ModuleType, email: str) -> None:
+    assert any("is not an email address" in e for e in errors_for(pre_gen, author_email=email))
+
+
+@pytest.mark.parametrize("field", ["project_name", "description", "author_name"])
+def test_multi_line_text_is_refused(pre_gen: types.ModuleType, field: str) -> None:
+    """A newline would break pyproject.toml and the README heading."""
+    assert any("must be one non-empty line" in e for e in errors_for(pre_gen, **{field: "a\nb"}))
+
+
+def test_every_rule_of_the_table_refuses_its_combination(pre_gen: types.ModuleType) -> None:
+    """Each rule of `_invalid_combinations` fires on its own combination and names the values."""
+    for rule in RULES:
+        answers = {k: v[0] if isinstance(v, list) else v for k, v in rule["when"].items()}
+        errors = errors_for(pre_gen, **answers)
+        assert any(e.startswith("invalid combination:") for e in errors), rule
+        assert all("{" not in e for e in errors), "placeholders must be filled in"
+
+
+def test_old_cookiecutter_is_refused(
+    pre_gen: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pre_gen.metadata, "version", lambda name: "2.6.0")
+    assert "needs cookiecutter >= 2.7 (found 2.6.0)" in pre_gen.cookiecutter_version_error()
+    monkeypatch.setattr(pre_gen.metadata, "version", lambda name: "2.7.1")
+    assert pre_gen.cookiecutter_version_error() is None
+
+
+def render_cli(out: Path, *answers: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "cookiecutter", "--no-input", str(ROOT), "-o", str(out)]
+    return subprocess.run([*command, *answers], capture_output=True, text=True, cwd=out.parent)
+
+
+@pytest.mark.parametrize(
+    ("answers", "message"),
+    [
+        (["project_slug=a/b"], "project_slug 'a/b' is not a safe directory name"),
+        (["project_slug=../evil"], "project_slug '../evil' is not a safe directory name"),
+        (["project_slug=.hidden"], "project_slug '.hidden' is not a safe directory name"),
+        (["project_slug="], "project_slug '' is not a safe directory name"),
+        (["package_name=os"], "package_name 'os' would shadow"),
+        (["package_name=class"], "package_name 'class' is a Python keyword"),
+        (["author_email=nope"], "author_email 'nope' is not an email address"),
+        (["use_docker=yes", "python_version=3.13"], "invalid combination: the Docker image"),
+    ],
+    ids=lambda value: value if isinstance(value, str) else " ".join(value),
+)
+def test_refused_generation_says_why_and_leaves_nothing(
+    tmp_path: Path, answers: list[str], message: str
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    result = render_cli(out, *answers)
+    assert result.returncode != 0
+    assert f"ERROR: {message}" in result.stderr
+    assert list(out.iterdir()) == []
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]
+
+
+def test_answers_are_data_not_code(tmp_path: Path) -> None:
+    """Quotes and code in a text answer end up as text, and nothing runs."""
+    payload = '"""); import os; os.system("touch PWNED") #'
+    out = tmp_path / "out"
+    out.mkdir()
+    result = render_cli(out, f"description={payload}", 'author_name=O\'Brien "Bob"')
+    assert result.returncode == 0, result.stderr
+    assert not list(tmp_path.rglob("PWNED"))
+    project = out / "ddp-project"
+    assert payload in (project / "README.md").read_text()
+    init = project / "src" / "ddp_project" / "__init__.py"
+    namespace: dict = {}
+    exec(compile(init.read_text(), str(init), "exec"), namespace)
+    assert namespace["__doc__"] == payload
+
+
+def make_tree(root: Path, paths: list[str]) -> None:
+    for path in paths:
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text("x")
+
+
+def test_post_gen_removes_exactly_the_deselected_files(tmp_path: Path) -> None:
+    answers = {**VALID, "use_slurm": False, "use_docker": True, "tracker": "none", "ci": "gitlab"}
+    post_gen = load_hook("post_gen_project.py", answers)
+    table = [p.format(package_name="ddp_project") for p in post_gen.KEEP_ONLY_IF]
+    directories = {"launch/slurm", ".github"}
+    make_tree(tmp_path, [*(f"{p}/x" if p in directories else p for p in table), "keep.py"])
+    assert post_gen.prune(tmp_path, answers) == []
+    remaining = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
+    assert remaining == {
+        "keep.py",
+        "Dockerfile",
+        ".dockerignore",
+        "apptainer.def",
+        ".gitlab-ci.yml",
+    }
+
+
+def test_post_gen_reports_table_entries_that_were_not_rendered(tmp_path: Path) -> None:
+    """A path in the table that the template no longer renders is a template bug, reported."""
+    post_gen = load_hook("post_gen_project.py", VALID)
+    assert "Dockerfile" in post_gen.prune(tmp_path, VALID)
