@@ -10,6 +10,7 @@ import ast
 import hashlib
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -46,14 +47,10 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
         "tests/__init__.py",
         "tests/conftest.py",
         "tests/helpers.py",
-        "tests/test_checkpoint.py",
-        "tests/test_config.py",
-        "tests/test_data.py",
-        "tests/test_distributed.py",
-        "tests/test_distributed_env.py",
-        "tests/test_gpu.py",
-        "tests/test_trainer.py",
     }
+    tests = ["amp", "checkpoint", "config", "data", "distributed", "distributed_env", "gpu"]
+    tests += ["gradients", "ranks", "resume", "sharding", "trainer"]
+    files |= {f"tests/test_{name}.py" for name in tests}
     modules = ["checkpoint", "config", "data", "distributed", "logs", "metrics", "task", "train"]
     files |= {f"src/{package}/{name}.py" for name in [*modules, "trainer", "__init__"]}
     if combo["use_slurm"]:
@@ -173,6 +170,22 @@ class TestEveryCombination:
         else:
             assert not dockerfile.exists()
 
+    def test_apptainer_definition_builds_from_the_dockerfile_image(
+        self, render_root: Path, combo: dict
+    ) -> None:
+        """No Apptainer linter installs here: check the header, the sections and that every
+        path copied into the image exists."""
+        project = render(render_root, combo)
+        if not combo["use_docker"]:
+            assert not (project / "apptainer.def").exists()
+            return
+        header, sections = parse_definition((project / "apptainer.def").read_text())
+        image = re.search(r"^FROM (\S+)", (project / "Dockerfile").read_text(), re.MULTILINE)
+        assert header == {"Bootstrap": "docker", "From": image.group(1)}
+        assert {"files", "post", "runscript"} <= set(sections) <= APPTAINER_SECTIONS
+        for line in sections["files"]:
+            assert (project / line.split()[0]).exists(), line
+
     def test_ci_configuration_matches_its_schema(self, render_root: Path, combo: dict) -> None:
         """GitHub and GitLab files validate against the services' published schemas."""
         project = render(render_root, combo)
@@ -183,6 +196,27 @@ class TestEveryCombination:
         if combo["ci"] in schemas:
             path, schema = schemas[combo["ci"]]
             lint_once([tool("check-jsonschema"), "--builtin-schema", schema], project / path)
+
+
+APPTAINER_SECTIONS = {"help", "labels", "files", "post", "environment", "runscript", "test"}
+
+
+def parse_definition(text: str) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """An Apptainer definition file: its header (key: value) and its %sections' lines."""
+    header: dict[str, str] = {}
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("%"):
+            current = sections.setdefault(stripped[1:].split()[0], [])
+        elif current is not None:
+            if stripped and not stripped.startswith("#"):
+                current.append(stripped)
+        elif stripped and not stripped.startswith("#"):
+            key, _, value = stripped.partition(":")
+            header[key.strip()] = value.strip()
+    return header, sections
 
 
 def test_matrix_covers_every_value_and_leaves_out_the_refused_combinations() -> None:
