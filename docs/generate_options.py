@@ -54,7 +54,7 @@ def render_options_page(context: dict) -> str:
         elif "{{" in str(value):
             default, choices = f"derived: `{value}`", "any valid value"
         else:
-            default, choices = f"`{value}`", "any text"
+            default, choices = (f"`{value}`" if value else "empty"), "any text"
         lines.append(f"| `{name}` | {_cell(prompt)} | {_cell(default)} | {_cell(choices)} |")
     rules = context.get("_invalid_combinations", [])
     if rules:

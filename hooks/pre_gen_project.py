@@ -43,6 +43,12 @@ SLUG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 PACKAGE = re.compile(r"^[a-z_][a-z0-9_]*$")
 EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
 ONE_LINE_FIELDS = ("project_name", "description", "author_name")
+#: Partition and account names, or comma-separated lists of them; empty means the default.
+SLURM_NAME = re.compile(r"^([A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*)?$")
+#: Slurm's time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
+SLURM_TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}(:\d{1,2}){0,2})$")
+#: Whole-number Slurm answers and the smallest value each may take.
+SLURM_COUNTS = {"slurm_nodes": 1, "slurm_gpus_per_node": 0, "slurm_cpus_per_process": 1}
 
 
 def cookiecutter_version_error() -> str | None:
@@ -108,7 +114,35 @@ def validate(context: dict) -> list[str]:
             errors.append(
                 f"{option} {context[option]!r} is not yes or no. Pass {option}=yes or {option}=no"
             )
+    errors += slurm_errors(context)
     errors += [f"invalid combination: {message}" for message in refused_combinations(context)]
+    return errors
+
+
+def slurm_errors(context: dict) -> list[str]:
+    """Problems with the Slurm answers, which are written into #SBATCH lines as they are."""
+    errors = []
+    for field in ("slurm_partition", "slurm_account"):
+        value = str(context[field])
+        if not SLURM_NAME.match(value):
+            errors.append(
+                f"{field} {value!r} is not a Slurm name: use letters, digits, '_', '.' and '-' "
+                f"(a comma-separated list for several), or leave it empty for the default. "
+                f"Pass e.g. {field}=gpu"
+            )
+    for field, minimum in SLURM_COUNTS.items():
+        value = str(context[field])
+        if not value.isdigit() or int(value) < minimum:
+            errors.append(
+                f"{field} {value!r} must be a whole number >= {minimum}. Pass e.g. {field}="
+                f"{max(minimum, 1)}"
+            )
+    time_limit = str(context["slurm_time_limit"])
+    if not SLURM_TIME.match(time_limit):
+        errors.append(
+            f"slurm_time_limit {time_limit!r} is not a Slurm time: use minutes, HH:MM:SS or "
+            "D-HH:MM:SS. Pass e.g. slurm_time_limit=24:00:00"
+        )
     return errors
 
 

@@ -21,6 +21,12 @@ VALID = {
     "description": "A project.",
     "author_name": "Ada Lovelace",
     "author_email": "ada@example.com",
+    "slurm_partition": "gpu",
+    "slurm_account": "",
+    "slurm_nodes": "2",
+    "slurm_gpus_per_node": "0",
+    "slurm_cpus_per_process": "8",
+    "slurm_time_limit": "2-00:00:00",
     "_invalid_combinations": RULES,
 }
 
@@ -85,6 +91,39 @@ def test_malformed_email_is_refused(pre_gen: types.ModuleType, email: str) -> No
 def test_multi_line_text_is_refused(pre_gen: types.ModuleType, field: str) -> None:
     """A newline would break pyproject.toml and the README heading."""
     assert any("must be one non-empty line" in e for e in errors_for(pre_gen, **{field: "a\nb"}))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("slurm_partition", "gpu --exclusive", "is not a Slurm name"),
+        ("slurm_account", "proj\n#SBATCH --mem=1", "is not a Slurm name"),
+        ("slurm_nodes", "0", "must be a whole number >= 1"),
+        ("slurm_nodes", "two", "must be a whole number >= 1"),
+        ("slurm_gpus_per_node", "-1", "must be a whole number >= 0"),
+        ("slurm_cpus_per_process", "1.5", "must be a whole number >= 1"),
+        ("slurm_time_limit", "1 day", "is not a Slurm time"),
+        ("slurm_time_limit", "24h", "is not a Slurm time"),
+    ],
+)
+def test_bad_slurm_answer_is_refused(
+    pre_gen: types.ModuleType, field: str, value: str, reason: str
+) -> None:
+    """These answers become #SBATCH lines; a bad one would fail only at submit time."""
+    assert any(f"{field} {value!r} {reason}" in e for e in errors_for(pre_gen, **{field: value}))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("slurm_partition", "gpu,gpu-long"),
+        ("slurm_time_limit", "90"),
+        ("slurm_time_limit", "1-12"),
+        ("slurm_time_limit", "00:30:00"),
+    ],
+)
+def test_slurm_formats_are_accepted(pre_gen: types.ModuleType, field: str, value: str) -> None:
+    assert errors_for(pre_gen, **{field: value}) == []
 
 
 def test_every_rule_of_the_table_refuses_its_combination(pre_gen: types.ModuleType) -> None:
