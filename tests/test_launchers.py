@@ -250,6 +250,14 @@ def job_output(project: Path, job_id: str) -> str:
     return (project / f"launch-test-{job_id}.out").read_text()
 
 
+def completed_job_output(slurm: SlurmCluster, project: Path, job_id: str) -> str:
+    """Wait for the job; fail with its output and the daemons' logs unless it exited 0."""
+    job = wait_for_job(slurm, job_id)
+    output = job_output(project, job_id)
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), output + slurm.logs()
+    return output
+
+
 # The rendered script asks for 8 GPUs per node; these flags are how a user runs the same script
 # on a CPU-only partition (2 CPU processes per node with gloo).
 CPU_FLAGS = ["--gpus-per-node=0", "--cpus-per-task=2"]
@@ -260,9 +268,7 @@ def test_sbatch_trains_with_torchrun_on_a_real_cluster(
 ) -> None:
     run_dir = tmp_path / "run"
     job_id = sbatch(slurm, project, CPU_FLAGS, [f"run.dir={run_dir}", *SHORT_RUN])
-    job = wait_for_job(slurm, job_id)
-    output = job_output(project, job_id)
-    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), output + slurm.logs()
+    output = completed_job_output(slurm, project, job_id)
     marker = final_checkpoint(run_dir)
     assert (marker["step"], marker["world_size"]) == (20, 2)
     assert "training complete at step 20" in output
@@ -274,9 +280,7 @@ def test_sbatch_runs_one_task_per_process_without_torchrun(
     run_dir = tmp_path / "run"
     flags = ["--gpus-per-node=0", "--ntasks-per-node=2", "--cpus-per-task=1"]
     job_id = sbatch(slurm, project, flags, [f"run.dir={run_dir}", *SHORT_RUN])
-    job = wait_for_job(slurm, job_id)
-    output = job_output(project, job_id)
-    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), output + slurm.logs()
+    completed_job_output(slurm, project, job_id)
     marker = final_checkpoint(run_dir)
     assert (marker["step"], marker["world_size"]) == (20, 2)
 
@@ -303,10 +307,8 @@ def test_usr1_before_the_time_limit_requeues_the_job_and_it_resumes(
     # (an earlier update would be lost while it is still completing), let it start now.
     wait_until(lambda: slurm.job(job_id).get("Reason") == "BeginTime", 60, "the requeue")
     slurm.run("scontrol", "update", f"jobid={job_id}", "starttime=now")
-    job = wait_for_job(slurm, job_id)
-    output = job_output(project, job_id)
-    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), output + slurm.logs()
-    assert job["Restarts"] == "1", output
+    output = completed_job_output(slurm, project, job_id)
+    assert slurm.job(job_id)["Restarts"] == "1", output
     assert f"USR1: requeueing job {job_id}" in output
     resumed = re.search(r"resumed from \S+ at step (\d+)", output)
     assert resumed, output
