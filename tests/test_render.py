@@ -49,7 +49,7 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
         "tests/helpers.py",
     }
     tests = ["amp", "checkpoint", "config", "data", "distributed", "distributed_env", "gpu"]
-    tests += ["gradients", "ranks", "resume", "sharding", "trainer"]
+    tests += ["gradients", "ranks", "resume", "sharding", "stop_signal", "trainer"]
     files |= {f"tests/test_{name}.py" for name in tests}
     modules = ["checkpoint", "config", "data", "distributed", "logs", "metrics", "task", "train"]
     files |= {f"src/{package}/{name}.py" for name in [*modules, "trainer", "__init__"]}

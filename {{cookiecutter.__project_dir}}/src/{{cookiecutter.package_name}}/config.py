@@ -78,11 +78,17 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Atomic checkpoints in `<run.dir>/checkpoints`; the newest complete one is resumed from."""
+    """Atomic checkpoints in `<run.dir>/checkpoints`; the newest complete one is resumed from.
+
+    `stop_on_sigusr1`: SIGUSR1 (Slurm sends it ahead of a time limit) makes every rank finish
+    its step, save a checkpoint and stop, so that the next launch loses no work. The ranks agree
+    on that step with one all-reduce of a single number per step.
+    """
 
     every_steps: int = 50
     keep_last: int = 3
     resume: bool = True
+    stop_on_sigusr1: bool = True
 
 
 @dataclass

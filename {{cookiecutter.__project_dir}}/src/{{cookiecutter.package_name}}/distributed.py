@@ -169,3 +169,15 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if is_distributed():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether `flag` is true on at least one rank: the same answer on every rank.
+
+    A collective: every rank must call it at the same point.
+    """
+    if not is_distributed():
+        return flag
+    tensor = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item())

@@ -12,9 +12,11 @@ import logging
 import math
 import platform
 import random
+import signal
+import threading
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,7 @@ from . import __version__
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, ConfigError
 from .data import build_eval_loader, build_train_loader
-from .distributed import DistEnv, all_reduce_sum, check_replicas
+from .distributed import DistEnv, all_reduce_sum, any_rank, check_replicas
 from .metrics import MetricsLogger
 from .task import Task
 
@@ -159,6 +161,9 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device.type, enabled=train.mixed_precision == "fp16")
 
         self.step = 0
+        self.saved_step = -1
+        # Set by SIGUSR1; acted on once every rank has finished the step it is in.
+        self.stop_requested = False
         # Train-loss sums since the last log line; kept in the checkpoint so resumed logs match.
         self.window_loss = torch.zeros((), dtype=torch.float64, device=device)
         self.window_steps = 0
@@ -240,20 +245,68 @@ class Trainer:
             self.config.train.mixed_precision,
         )
         self.window_start = time.perf_counter()
-        while self.step < self.total_steps:
-            epoch, step_in_epoch = divmod(self.step, self.steps_per_epoch)
-            samples_per_rank_per_step = self.config.train.micro_batch_size * self.accumulation_steps
-            self.sampler.set_epoch(epoch, start_index=step_in_epoch * samples_per_rank_per_step)
-            batches = iter(self.train_loader)
-            for _ in range(step_in_epoch, self.steps_per_epoch):
-                if self.step >= self.total_steps:
-                    break
-                loss, grad_norm = self.train_step(batches)
-                self.step += 1
-                self.window_loss += loss
-                self.window_steps += 1
-                self._periodic(epoch, grad_norm)
+        with self._stop_on_sigusr1():
+            while self.step < self.total_steps:
+                epoch, step_in_epoch = divmod(self.step, self.steps_per_epoch)
+                samples_per_rank_per_step = (
+                    self.config.train.micro_batch_size * self.accumulation_steps
+                )
+                self.sampler.set_epoch(epoch, start_index=step_in_epoch * samples_per_rank_per_step)
+                batches = iter(self.train_loader)
+                for _ in range(step_in_epoch, self.steps_per_epoch):
+                    if self.step >= self.total_steps:
+                        break
+                    loss, grad_norm = self.train_step(batches)
+                    self.step += 1
+                    self.window_loss += loss
+                    self.window_steps += 1
+                    self._periodic(epoch, grad_norm)
+                    if self._stop_agreed():
+                        self._stop()
+                        return
         log.info("training complete at step %d", self.step)
+
+    @contextmanager
+    def _stop_on_sigusr1(self) -> Iterator[None]:
+        """Record SIGUSR1 in `stop_requested` while training; restore the old handler after.
+
+        A signal handler can only be set from the main thread; elsewhere the signal keeps its
+        old meaning.
+        """
+        usr1 = getattr(signal, "SIGUSR1", None)  # absent on Windows
+        if (
+            not self.config.checkpoint.stop_on_sigusr1
+            or usr1 is None
+            or threading.current_thread() is not threading.main_thread()
+        ):
+            yield
+            return
+
+        def request_stop(signum: int, frame: object) -> None:
+            self.stop_requested = True
+
+        previous = signal.signal(usr1, request_stop)
+        try:
+            yield
+        finally:
+            signal.signal(usr1, previous)
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank has been asked to stop. Every rank asks after every step, so all of
+        them stop after the same step even when the signal reached them during different ones."""
+        if not self.config.checkpoint.stop_on_sigusr1:
+            return False
+        return any_rank(self.stop_requested, self.device)
+
+    def _stop(self) -> None:
+        if self.saved_step != self.step:
+            self.save()
+        log.info(
+            "stopped at step %d of %d on SIGUSR1, with a checkpoint; launch the same command "
+            "again to continue",
+            self.step,
+            self.total_steps,
+        )
 
     def _periodic(self, epoch: int, grad_norm: torch.Tensor) -> None:
         """What runs between steps on schedule. Every rank takes the same branches."""
@@ -367,6 +420,7 @@ class Trainer:
             self.env,
             keep_last=self.config.checkpoint.keep_last,
         )
+        self.saved_step = self.step
         log.info("saved checkpoint %s", path)
         return path
 
