@@ -160,6 +160,16 @@ SHORT_RUN = [
 ]
 
 
+#: A run long enough to be interrupted: 3000 steps, checkpoints every 200.
+LONG_RUN = [
+    *SHORT_RUN,
+    "train.epochs=1000",
+    "train.max_steps=3000",
+    "train.log_every=500",
+    "checkpoint.every_steps=200",
+]
+
+
 def project_env(project: Path, **extra: str) -> dict[str, str]:
     """The environment a user has after installing the project: its package and torchrun."""
     path = f"{BIN}:{os.environ['PATH']}"
@@ -208,6 +218,36 @@ def test_two_hosts_train_as_one_job_with_torchrun(project: Path, tmp_path: Path)
     marker = final_checkpoint(run_dir)
     assert (marker["step"], marker["world_size"]) == (20, 4)
     assert sorted(marker["files"]) == [*(f"rank_{rank:05d}.pt" for rank in range(4)), "state.pt"]
+
+
+def test_usr1_stops_a_torchrun_run_after_one_step_with_a_checkpoint(
+    project: Path, tmp_path: Path
+) -> None:
+    """USR1 to every process of a torchrun.sh run, as the README's `pkill -USR1 -f` sends it
+    (torchrun included, which ignores it): both ranks stop after the same step, save a
+    checkpoint there and exit 0."""
+    run_dir = tmp_path / "run"
+    overrides = [*LONG_RUN, f"run.dir={run_dir}"]
+    log = tmp_path / "torchrun.log"
+    with log.open("w") as output:
+        launch = subprocess.Popen(
+            ["bash", "launch/torchrun.sh", *overrides],
+            cwd=project,
+            env=project_env(project, NPROC_PER_NODE="2"),
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    checkpoints = run_dir / "checkpoints"
+    wait_until(lambda: any(checkpoints.glob("step_*/COMPLETE")), 120, "a first checkpoint")
+    # Every process of this run, and no other, has its run directory on the command line.
+    subprocess.run(["pkill", "-USR1", "-f", f"run.dir={run_dir}"], check=True)
+    [code] = wait_for_all([launch], timeout=120)
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    stopped = re.search(r"stopped at step (\d+) of \d+ on SIGUSR1", text)
+    assert stopped, text[-3000:]
+    assert final_checkpoint(run_dir)["step"] == int(stopped.group(1))
 
 
 def wait_for_all(processes: list[subprocess.Popen], timeout: float) -> list[int | None]:
@@ -261,6 +301,7 @@ def completed_job_output(slurm: SlurmCluster, project: Path, job_id: str) -> str
 # The rendered script asks for 8 GPUs per node; these flags are how a user runs the same script
 # on a CPU-only partition (2 CPU processes per node with gloo).
 CPU_FLAGS = ["--gpus-per-node=0", "--cpus-per-task=2"]
+TASK_PER_PROCESS_FLAGS = ["--gpus-per-node=0", "--ntasks-per-node=2", "--cpus-per-task=1"]
 
 
 def test_sbatch_trains_with_torchrun_on_a_real_cluster(
@@ -278,29 +319,25 @@ def test_sbatch_runs_one_task_per_process_without_torchrun(
     slurm: SlurmCluster, project: Path, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    flags = ["--gpus-per-node=0", "--ntasks-per-node=2", "--cpus-per-task=1"]
-    job_id = sbatch(slurm, project, flags, [f"run.dir={run_dir}", *SHORT_RUN])
+    job_id = sbatch(slurm, project, TASK_PER_PROCESS_FLAGS, [f"run.dir={run_dir}", *SHORT_RUN])
     completed_job_output(slurm, project, job_id)
     marker = final_checkpoint(run_dir)
     assert (marker["step"], marker["world_size"]) == (20, 2)
 
 
-def test_usr1_before_the_time_limit_requeues_the_job_and_it_resumes(
-    slurm: SlurmCluster, project: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    "flags", [CPU_FLAGS, TASK_PER_PROCESS_FLAGS], ids=["torchrun", "task-per-process"]
+)
+def test_usr1_before_the_time_limit_checkpoints_requeues_and_resumes(
+    slurm: SlurmCluster, project: Path, tmp_path: Path, flags: list[str]
 ) -> None:
-    """Slurm's warning signal (sent to the batch shell, as --signal=B:USR1 does) requeues the
-    job; the next run resumes from the newest checkpoint and finishes the training."""
+    """Slurm's warning signal (sent to the batch shell, as --signal=B:USR1 does) reaches the
+    training processes: they stop after the same step with a checkpoint, the job requeues
+    itself, and the next run resumes from exactly that step and finishes the training."""
     run_dir = tmp_path / "run"
-    steps = 3000
-    overrides = [
-        *SHORT_RUN,
-        "train.epochs=1000",
-        f"train.max_steps={steps}",
-        "train.log_every=500",
-        "checkpoint.every_steps=200",
-    ]
-    job_id = sbatch(slurm, project, CPU_FLAGS, [f"run.dir={run_dir}", *overrides])
+    job_id = sbatch(slurm, project, flags, [f"run.dir={run_dir}", *LONG_RUN])
     checkpoints = run_dir / "checkpoints"
+    # A first checkpoint means the training is running, with its signal handler in place.
     wait_until(lambda: any(checkpoints.glob("step_*/COMPLETE")), 120, "a first checkpoint")
     slurm.run("scancel", "--signal=USR1", "--batch", job_id)
     # A requeued job waits two minutes before it may start again; once it is back in the queue
@@ -309,8 +346,11 @@ def test_usr1_before_the_time_limit_requeues_the_job_and_it_resumes(
     slurm.run("scontrol", "update", f"jobid={job_id}", "starttime=now")
     output = completed_job_output(slurm, project, job_id)
     assert slurm.job(job_id)["Restarts"] == "1", output
-    assert f"USR1: requeueing job {job_id}" in output
+    assert "USR1: asking the training to save a checkpoint and stop" in output
+    assert f"requeueing job {job_id} (training exited with 0)" in output
+    stopped = re.search(r"stopped at step (\d+) of \d+ on SIGUSR1", output)
     resumed = re.search(r"resumed from \S+ at step (\d+)", output)
-    assert resumed, output
-    assert 0 < int(resumed.group(1)) < steps
-    assert final_checkpoint(run_dir)["step"] == steps
+    assert stopped and resumed, output
+    assert resumed.group(1) == stopped.group(1)
+    assert 0 < int(stopped.group(1)) < 3000
+    assert final_checkpoint(run_dir)["step"] == 3000

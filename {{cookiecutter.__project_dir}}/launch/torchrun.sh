@@ -27,6 +27,9 @@
 #   DRY_RUN=1       print the torchrun command (one line, shell-quoted) instead of running it;
 #                   the same as --dry-run as the first argument
 #
+# To stop a run cleanly with a checkpoint, send USR1 to all its processes, e.g.
+#   pkill -USR1 -f {{ cookiecutter.package_name }}.train
+#
 # Two machines, 8 GPUs each: on both, with the same run directory on a shared file system,
 #   NNODES=2 RDZV_ENDPOINT=node01:29500 RDZV_ID=exp1 launch/torchrun.sh run.dir=/shared/runs/exp1
 # On Slurm clusters use launch/slurm/train.sbatch instead, which sets all of this per job.
@@ -107,4 +110,8 @@ if [[ "$DRY_RUN" == 1 ]]; then
     printf '\n'
     exit 0
 fi
+# torchrun and its workers start with USR1 ignored (an ignored signal stays ignored across exec
+# and in child processes): torchrun would die of it, and the training sets its own handler
+# (checkpoint.stop_on_sigusr1) once it is ready.
+trap '' USR1
 exec "${command[@]}"
