@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from subprocess import CompletedProcess
@@ -341,8 +342,11 @@ def test_usr1_before_the_time_limit_checkpoints_requeues_and_resumes(
     wait_until(lambda: any(checkpoints.glob("step_*/COMPLETE")), 120, "a first checkpoint")
     slurm.run("scancel", "--signal=USR1", "--batch", job_id)
     # A requeued job waits two minutes before it may start again; once it is back in the queue
-    # (an earlier update would be lost while it is still completing), let it start now.
+    # (an earlier update would be lost while it is still completing), let it start now. Not in
+    # the second of the requeue, though: slurmd would refuse the new launch credential as
+    # revoked (it compares whole seconds).
     wait_until(lambda: slurm.job(job_id).get("Reason") == "BeginTime", 60, "the requeue")
+    time.sleep(2)
     slurm.run("scontrol", "update", f"jobid={job_id}", "starttime=now")
     output = completed_job_output(slurm, project, job_id)
     assert slurm.job(job_id)["Restarts"] == "1", output
