@@ -161,7 +161,6 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device.type, enabled=train.mixed_precision == "fp16")
 
         self.step = 0
-        self.saved_step = -1
         # Set by SIGUSR1; acted on once every rank has finished the step it is in.
         self.stop_requested = False
         # Train-loss sums since the last log line; kept in the checkpoint so resumed logs match.
@@ -299,7 +298,7 @@ class Trainer:
         return any_rank(self.stop_requested, self.device)
 
     def _stop(self) -> None:
-        if self.saved_step != self.step:
+        if not self._due(self.config.checkpoint.every_steps):  # else _periodic saved it
             self.save()
         log.info(
             "stopped at step %d of %d on SIGUSR1, with a checkpoint; launch the same command "
@@ -420,7 +419,6 @@ class Trainer:
             self.env,
             keep_last=self.config.checkpoint.keep_last,
         )
-        self.saved_step = self.step
         log.info("saved checkpoint %s", path)
         return path
 
