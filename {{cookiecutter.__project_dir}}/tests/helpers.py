@@ -18,8 +18,13 @@ import torch.multiprocessing as mp
 from torch.utils.data import Dataset, TensorDataset
 
 from {{ cookiecutter.package_name }}.config import Config
-from {{ cookiecutter.package_name }}.distributed import DistEnv
+from {{ cookiecutter.package_name }}.distributed import (
+    DistEnv,
+    destroy_process_groups,
+    start_control_group,
+)
 from {{ cookiecutter.package_name }}.metrics import MetricsLogger
+from {{ cookiecutter.package_name }}.stopping import StopRequests
 from {{ cookiecutter.package_name }}.task import Task
 from {{ cookiecutter.package_name }}.trainer import Trainer
 
@@ -102,6 +107,7 @@ def _spawned(
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
     )
+    start_control_group(timeout_s=60)
     try:
         result = worker(rank, world_size, *args)
         torch.save(result, os.path.join(workdir, f"result_{rank}.pt"))
@@ -110,21 +116,26 @@ def _spawned(
         gc.collect()
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups()
 
 
 def env_for(rank: int, world_size: int) -> DistEnv:
     return DistEnv(rank=rank, local_rank=rank, world_size=world_size, launcher="test")
 
 
-def make_trainer(config: Config, env: DistEnv | None = None, task: Task | None = None) -> Trainer:
+def make_trainer(
+    config: Config,
+    env: DistEnv | None = None,
+    task: Task | None = None,
+    stop: StopRequests | None = None,
+) -> Trainer:
     """A CPU trainer for `config` (single process unless `env` says otherwise)."""
     env = env or DistEnv()
     run_dir = Path(config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     task = task or Task(config.task, config.run.seed)
     metrics = MetricsLogger(run_dir, is_main=env.is_main)
-    return Trainer(config, task, env, torch.device("cpu"), run_dir, metrics)
+    return Trainer(config, task, env, torch.device("cpu"), run_dir, metrics, stop)
 
 
 def train_steps(trainer: Trainer, steps: int) -> dict[str, torch.Tensor]:

@@ -1,49 +1,83 @@
-"""SIGUSR1 stops training cleanly: every rank finishes the same step, a checkpoint is saved, and
-the next launch continues from it (Slurm sends the signal ahead of a job's time limit)."""
+"""Stop signals end training cleanly: every rank finishes the same step, a checkpoint is saved
+there, the exit status says whether to launch again, and the next launch loses no step.
+
+SIGTERM (preemption, scancel, torchrun) exits with 75; SIGUSR1 and SIGUSR2 (Slurm's time-limit
+warning) with 0. With several ranks the stop comes one step after the signal (the agreement is
+read a step late so that it never blocks); with one process, right after the step.
+"""
 
 from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from {{ cookiecutter.package_name }}.checkpoint import latest_checkpoint
 from {{ cookiecutter.package_name }}.config import load_config
+from {{ cookiecutter.package_name }}.stopping import EXIT_RESUMABLE, StopRequests
+from {{ cookiecutter.package_name }}.train import main
 from {{ cookiecutter.package_name }}.trainer import Trainer
 
 from .helpers import FAST, env_for, make_trainer, spawn
 
 pytestmark = pytest.mark.timeout(300)
 
-TOTAL_STEPS = 12
-SIGNAL_DURING_STEP = 6  # not a checkpoint step (every 4): the stop must save its own
+TOTAL_STEPS = 12  # checkpoints every 4 steps, evaluation every 4 steps (FAST)
 
 
 def _overrides(run_dir: Path, *extra: str) -> list[str]:
     return [*FAST, f"run.dir={run_dir}", f"train.max_steps={TOTAL_STEPS}", *extra]
 
 
-def _signal_self_during_step(trainer: Trainer, step: int) -> None:
-    """Make `trainer` send itself SIGUSR1 in the middle of optimizer step `step`."""
-    train_step = trainer.train_step
-
-    def signalling_train_step(batches: object) -> tuple:
-        if trainer.step + 1 == step:
-            os.kill(os.getpid(), signal.SIGUSR1)
-        return train_step(batches)
-
-    trainer.train_step = signalling_train_step
+def _signal_self(signum: int) -> None:
+    os.kill(os.getpid(), signum)
 
 
-def _stop_on_one_rank_then_continue(rank: int, world_size: int, workdir: Path) -> dict:
+def _arrange_signal(trainer: Trainer, signum: int, moment: str, step: int) -> None:
+    """Make `trainer` send itself `signum` at `moment` ("step", "save" or "eval") of `step`.
+
+    Patches the trainer's own methods, so the signal lands inside that piece of work.
+    """
+    name = {"step": "train_step", "save": "save", "eval": "evaluate"}[moment]
+    original: Callable = getattr(trainer, name)
+    offset = 1 if moment == "step" else 0  # train_step runs before the step count goes up
+
+    def signalling(*args: object) -> object:
+        if trainer.step + offset == step:
+            _signal_self(signum)
+        return original(*args)
+
+    setattr(trainer, name, signalling)
+
+
+def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
+
+
+def _unbroken(rank: int, world_size: int, workdir: Path) -> dict[str, torch.Tensor]:
+    config = load_config(None, _overrides(workdir / "run"))
+    trainer = make_trainer(config, env_for(rank, world_size))
+    trainer.fit()
+    return _weights(trainer)
+
+
+def _signal_on_rank_1_then_resume(
+    rank: int, world_size: int, workdir: Path, signame: str, moment: str, step: int
+) -> dict:
     config = load_config(None, _overrides(workdir / "run"))
     env = env_for(rank, world_size)
-    first = make_trainer(config, env)
-    if rank == 1:
-        _signal_self_during_step(first, SIGNAL_DURING_STEP)
-    first.fit()
+    stop = StopRequests()
+    with stop.installed():  # as train.main does, before anything is built
+        if rank == 1 and moment == "start-up":
+            _signal_self(getattr(signal, signame))
+        first = make_trainer(config, env, stop=stop)
+        if rank == 1 and moment != "start-up":
+            _arrange_signal(first, getattr(signal, signame), moment, step)
+        status = first.fit()
     newest = latest_checkpoint(first.run_dir)
 
     second = make_trainer(config, env)
@@ -51,46 +85,108 @@ def _stop_on_one_rank_then_continue(rank: int, world_size: int, workdir: Path) -
     resumed_at = second.step
     second.fit()
     return {
+        "status": status,
         "stopped_at": first.step,
-        "newest_checkpoint": newest.name,
+        "newest_checkpoint": newest.name if newest else None,
         "resumed_at": resumed_at,
         "finished_at": second.step,
+        "weights": _weights(second),
     }
 
 
+@pytest.fixture(scope="module")
+def unbroken_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """Rank 0's final weights of the same 2-rank run without a signal."""
+    workdir = tmp_path_factory.mktemp("unbroken")
+    return spawn(2, _unbroken, workdir, workdir=workdir)[0]
+
+
 @pytest.mark.distributed
-def test_sigusr1_on_one_rank_stops_every_rank_after_the_same_step_with_a_checkpoint(
+@pytest.mark.parametrize(
+    ("signame", "moment", "step", "status", "stop_step"),
+    [
+        ("SIGTERM", "step", 6, EXIT_RESUMABLE, 7),
+        ("SIGUSR1", "step", 6, 0, 7),
+        ("SIGUSR2", "save", 8, 0, 9),
+        ("SIGTERM", "eval", 4, EXIT_RESUMABLE, 5),
+        ("SIGTERM", "start-up", 0, EXIT_RESUMABLE, 0),
+    ],
+    ids=[
+        "sigterm-mid-step",
+        "sigusr1-mid-step",
+        "sigusr2-during-save",
+        "sigterm-during-eval",
+        "sigterm-during-start-up",
+    ],
+)
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step_and_loses_nothing(
     tmp_path: Path,
+    unbroken_weights: dict[str, torch.Tensor],
+    signame: str,
+    moment: str,
+    step: int,
+    status: int,
+    stop_step: int,
 ) -> None:
-    results = spawn(2, _stop_on_one_rank_then_continue, tmp_path, workdir=tmp_path)
+    results = spawn(
+        2, _signal_on_rank_1_then_resume, tmp_path, signame, moment, step, workdir=tmp_path
+    )
     for result in results:
-        assert result["stopped_at"] == SIGNAL_DURING_STEP
-        assert result["newest_checkpoint"] == f"step_{SIGNAL_DURING_STEP:08d}"
-        assert result["resumed_at"] == SIGNAL_DURING_STEP
+        assert result["status"] == status
+        assert result["stopped_at"] == stop_step
+        expected = f"step_{stop_step:08d}" if stop_step else None
+        assert result["newest_checkpoint"] == expected
+        assert result["resumed_at"] == stop_step
         assert result["finished_at"] == TOTAL_STEPS
+        for name, tensor in unbroken_weights.items():
+            assert torch.equal(result["weights"][name], tensor), name
 
 
-def test_the_previous_sigusr1_handler_is_back_after_training(tmp_path: Path) -> None:
+def test_a_single_process_stops_right_after_the_step_it_was_signalled_in(tmp_path: Path) -> None:
     trainer = make_trainer(load_config(None, _overrides(tmp_path)))
-    _signal_self_during_step(trainer, 3)
-    before = signal.getsignal(signal.SIGUSR1)
-    trainer.fit()
+    _arrange_signal(trainer, signal.SIGTERM, "step", 3)
+    assert trainer.fit() == EXIT_RESUMABLE
     assert trainer.step == 3
-    assert signal.getsignal(signal.SIGUSR1) is before
+    assert latest_checkpoint(trainer.run_dir).name == "step_00000003"
 
 
-def test_with_stop_on_sigusr1_off_the_signal_is_left_alone(tmp_path: Path) -> None:
-    config = load_config(None, _overrides(tmp_path, "checkpoint.stop_on_sigusr1=false"))
+def test_the_training_command_exits_75_after_sigterm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The status that torchrun restarts on and the Slurm script requeues on."""
+    train_step = Trainer.train_step
+
+    def signalling_train_step(self: Trainer, batches: object) -> tuple:
+        if self.step == 2:
+            _signal_self(signal.SIGTERM)
+        return train_step(self, batches)
+
+    monkeypatch.setattr(Trainer, "train_step", signalling_train_step)
+    assert main(_overrides(tmp_path / "run")) == EXIT_RESUMABLE
+    assert latest_checkpoint(tmp_path / "run").name == "step_00000003"
+
+
+def test_the_previous_handlers_are_back_after_training(tmp_path: Path) -> None:
+    trainer = make_trainer(load_config(None, _overrides(tmp_path)))
+    _arrange_signal(trainer, signal.SIGUSR1, "step", 3)
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
+    assert trainer.fit() == 0
+    assert trainer.step == 3
+    assert {signum: signal.getsignal(signum) for signum in before} == before
+
+
+def test_with_stop_on_signals_off_the_signals_are_left_alone(tmp_path: Path) -> None:
+    config = load_config(None, _overrides(tmp_path, "checkpoint.stop_on_signals=false"))
     trainer = make_trainer(config)
     train_step = trainer.train_step
     handlers = []
 
     def recording_train_step(batches: object) -> tuple:
-        handlers.append(signal.getsignal(signal.SIGUSR1))
+        handlers.append(signal.getsignal(signal.SIGTERM))
         return train_step(batches)
 
     trainer.train_step = recording_train_step
-    before = signal.getsignal(signal.SIGUSR1)
-    trainer.fit()
+    before = signal.getsignal(signal.SIGTERM)
+    assert trainer.fit() == 0
     assert trainer.step == TOTAL_STEPS
     assert set(handlers) == {before}

@@ -11,23 +11,36 @@ import pytest
 from {{ cookiecutter.package_name }}.config import ConfigError
 from {{ cookiecutter.package_name }}.metrics import read_metrics
 from {{ cookiecutter.package_name }}.train import main
-from {{ cookiecutter.package_name }}.trainer import (
-    accumulation_steps,
-    warmup_cosine,
-)
+from {{ cookiecutter.package_name }}.trainer import batch_split, warmup_cosine
 
 from .helpers import FAST
 
 
-def test_accumulation_is_derived_from_the_global_batch() -> None:
-    """global 128 = 2 ranks x micro 16 x 4 accumulation steps."""
-    assert accumulation_steps(128, 16, world_size=2) == 4
-    assert accumulation_steps(128, 16, world_size=8) == 1
+@pytest.mark.parametrize(
+    ("world_size", "split"),
+    [(1, (32, 4)), (2, (32, 2)), (4, (32, 1)), (8, (16, 1)), (16, (8, 1)), (64, (2, 1))],
+)
+def test_the_default_global_batch_splits_on_every_power_of_two_world_size(
+    world_size: int, split: tuple[int, int]
+) -> None:
+    """128 samples per step: micro-batch (at most 32) x accumulation x ranks, 1 to 64 ranks."""
+    micro, accumulation = batch_split(128, 32, world_size)
+    assert (micro, accumulation) == split
+    assert micro * accumulation * world_size == 128
 
 
-def test_global_batch_that_does_not_divide_is_a_clear_error() -> None:
-    with pytest.raises(ConfigError, match="not a multiple of world size 3"):
-        accumulation_steps(128, 16, world_size=3)
+def test_the_micro_batch_is_the_largest_divisor_of_the_per_rank_share_that_fits() -> None:
+    """96 samples on 2 ranks = 48 per rank: micro-batches of 24 (not 32, which does not divide)."""
+    assert batch_split(96, 32, world_size=2) == (24, 2)
+
+
+def test_a_global_batch_that_ranks_cannot_share_names_the_nearest_valid_values() -> None:
+    with pytest.raises(ConfigError) as error:
+        batch_split(128, 16, world_size=3)
+    message = str(error.value)
+    assert "cannot be shared equally by 3 ranks" in message
+    assert "train.global_batch_size=126 or 129" in message
+    assert "2 or 4 ranks" in message
 
 
 def test_lr_warms_up_then_decays_to_the_floor() -> None:

@@ -63,8 +63,10 @@ class OptimConfig:
 class TrainConfig:
     """The optimisation schedule.
 
-    `global_batch_size` is what the optimizer sees per step, whatever the world size:
-    accumulation steps = global_batch_size / (world_size * micro_batch_size), which must divide.
+    `global_batch_size` is what the optimizer sees per step, whatever the world size: each of W
+    ranks takes global_batch_size / W samples per step, in micro-batches of at most
+    `micro_batch_size` (the largest divisor of the per-rank share that fits), accumulated over as
+    many micro-steps as needed. The same config therefore trains on 1 or 64 ranks.
     """
 
     global_batch_size: int = 128
@@ -78,17 +80,19 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Atomic checkpoints in `<run.dir>/checkpoints`; the newest complete one is resumed from.
+    """Atomic checkpoints in `<run.dir>/checkpoints`; the newest valid one is resumed from.
 
-    `stop_on_sigusr1`: SIGUSR1 (Slurm sends it ahead of a time limit) makes every rank finish
-    its step, save a checkpoint and stop, so that the next launch loses no work. The ranks agree
-    on that step with one all-reduce of a single number per step.
+    `resume`: continue the run in `run.dir` from its newest checkpoint. With `false`, a run
+    directory that already holds checkpoints is refused rather than mixed with a new run.
+    `stop_on_signals`: SIGTERM (preemption, scancel, torchrun), SIGUSR1 and SIGUSR2 (Slurm's
+    time-limit warning) make every rank finish the same step, save a checkpoint and exit; see
+    stopping.py for the exit statuses.
     """
 
     every_steps: int = 50
     keep_last: int = 3
     resume: bool = True
-    stop_on_sigusr1: bool = True
+    stop_on_signals: bool = True
 
 
 @dataclass
@@ -96,13 +100,17 @@ class DistConfig:
     """Device, process group and DistributedDataParallel settings.
 
     `auto` picks CUDA with NCCL when a GPU is visible, else CPU with gloo.
+    `timeout_s` bounds start-up and every training collective: a rank that hangs or dies ends
+    the job after that long instead of leaving the others waiting. `barrier_timeout_s` bounds the
+    waits around checkpoint writes and work only rank 0 does (a tracker that starts slowly).
     `check_replicas_every` > 0 compares a checksum of every parameter across ranks every that
     many steps (a debugging aid: replicas that drift apart mean a bug outside DDP).
     """
 
     device: Literal["auto", "cuda", "cpu"] = "auto"
     backend: Literal["auto", "nccl", "gloo"] = "auto"
-    timeout_s: int = 600
+    timeout_s: int = 60
+    barrier_timeout_s: int = 1800
     bucket_cap_mb: int = 25
     find_unused_parameters: bool = False
     static_graph: bool = False
@@ -178,6 +186,7 @@ def validate(config: Config) -> None:
         "checkpoint.every_steps": config.checkpoint.every_steps,
         "checkpoint.keep_last": config.checkpoint.keep_last,
         "dist.timeout_s": config.dist.timeout_s,
+        "dist.barrier_timeout_s": config.dist.barrier_timeout_s,
         "task.num_train_samples": config.task.num_train_samples,
         "task.num_eval_samples": config.task.num_eval_samples,
     }
@@ -186,11 +195,6 @@ def validate(config: Config) -> None:
             raise ConfigError(f"{key} must be positive, got {value}")
     if config.train.epochs <= 0 and config.train.max_steps <= 0:
         raise ConfigError("set train.epochs or train.max_steps to a positive number")
-    if config.train.global_batch_size % config.train.micro_batch_size:
-        raise ConfigError(
-            f"train.global_batch_size={config.train.global_batch_size} is not a multiple of "
-            f"train.micro_batch_size={config.train.micro_batch_size}"
-        )
     if config.dist.check_replicas_every < 0:
         raise ConfigError("dist.check_replicas_every must be >= 0 (0 turns the check off)")
     if config.data.num_workers < 0:

@@ -19,6 +19,9 @@ import torch.distributed as dist
 
 from .config import DistConfig
 
+#: Set by process_group(); None for a single process, and in tests that start their own group.
+_control_group: dist.ProcessGroup | None = None
+
 
 class DistributedError(RuntimeError):
     """The launch environment cannot start a process group as configured."""
@@ -63,7 +66,12 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
 
 
 def select_device(env: DistEnv, config: DistConfig) -> torch.device:
-    """Pick this rank's device; on CUDA, bind the process to its GPU before any CUDA work."""
+    """Pick this rank's device; on CUDA, bind the process to its GPU before any CUDA work.
+
+    Local rank i takes visible GPU i. A process that sees exactly one GPU takes it whatever its
+    local rank: Slurm's GPU binding (`--gpus-per-task=1`, `--gpu-bind`) gives every task its own
+    GPU, numbered 0 in that task. torchrun binds nothing: all its local ranks see the same GPUs.
+    """
     want_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
     if not want_cuda:
         return torch.device("cpu")
@@ -71,13 +79,19 @@ def select_device(env: DistEnv, config: DistConfig) -> torch.device:
         raise DistributedError(
             "dist.device=cuda but no CUDA device is visible; use dist.device=cpu"
         )
-    if env.local_rank >= torch.cuda.device_count():
+    visible = torch.cuda.device_count()
+    if env.local_rank < visible:
+        index = env.local_rank
+    elif visible == 1 and env.launcher != "torchrun":
+        index = 0
+    else:
         raise DistributedError(
-            f"local rank {env.local_rank} has no GPU: only {torch.cuda.device_count()} visible. "
-            "Start at most one process per GPU (torchrun --nproc-per-node=gpu)."
+            f"local rank {env.local_rank} has no GPU: only {visible} visible to it. Start at "
+            "most one process per GPU (torchrun --nproc-per-node=gpu), or let Slurm bind one "
+            "GPU to each task (--gpus-per-task=1)."
         )
-    torch.cuda.set_device(env.local_rank)
-    return torch.device("cuda", env.local_rank)
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def select_backend(device: torch.device, config: DistConfig) -> str:
@@ -92,6 +106,11 @@ def select_backend(device: torch.device, config: DistConfig) -> str:
 @contextmanager
 def process_group(env: DistEnv, config: DistConfig) -> Iterator[torch.device]:
     """Start the process group (if there is more than one rank) and always tear it down.
+
+    Two timeouts: `dist.timeout_s` bounds start-up and every training collective, so that a hung
+    or lost rank ends the job in about a minute; `dist.barrier_timeout_s` bounds the barriers
+    around checkpoint writes and rank-0-only work (a large save, a tracker that starts slowly),
+    which run on a separate gloo group (CPU, so waiting never touches the GPU).
 
     On success every rank meets at a barrier before leaving, so no rank exits while another still
     needs it. On an exception there is no barrier (the peers may be gone or hung): the group is
@@ -109,17 +128,39 @@ def process_group(env: DistEnv, config: DistConfig) -> Iterator[torch.device]:
             timeout=timedelta(seconds=config.timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
+        start_control_group(config.barrier_timeout_s)
     try:
         yield device
     except BaseException:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_groups()
         raise
     if dist.is_initialized():
         # Free unreachable DDP objects now: a process group still referenced at interpreter
         # exit can abort the process from gloo's worker threads.
         gc.collect()
-        dist.barrier()
+        barrier()
+    destroy_process_groups()
+
+
+def start_control_group(timeout_s: float) -> None:
+    """Start the gloo group of every rank that barriers and the stop agreement use.
+
+    A collective: every rank calls it once, right after the default group has started.
+    """
+    global _control_group
+    _control_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def control_group() -> dist.ProcessGroup | None:
+    """The group for barriers and stop checks: None (the default group) until one is started."""
+    return _control_group
+
+
+def destroy_process_groups() -> None:
+    """Tear down the control group and the default group, if they are running."""
+    global _control_group
+    _control_group = None
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -139,9 +180,9 @@ def is_distributed() -> bool:
 
 
 def barrier() -> None:
-    """Wait for every rank; a no-op for a single process."""
+    """Wait for every rank, for up to `dist.barrier_timeout_s`; a no-op for a single process."""
     if is_distributed():
-        dist.barrier()
+        dist.barrier(group=_control_group)
 
 
 def check_replicas(model: torch.nn.Module, step: int) -> None:
@@ -169,15 +210,3 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if is_distributed():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
-
-
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """Whether `flag` is true on at least one rank: the same answer on every rank.
-
-    A collective: every rank must call it at the same point.
-    """
-    if not is_distributed():
-        return flag
-    tensor = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return bool(tensor.item())

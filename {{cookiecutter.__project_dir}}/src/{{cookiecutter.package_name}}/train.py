@@ -15,14 +15,15 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from .config import Config, ConfigError, load_config, to_yaml
-from .distributed import DistEnv, detect_env, process_group
+from .distributed import DistEnv, barrier, detect_env, process_group
 from .logs import setup_logging
 from .metrics import MetricsLogger
+from .stopping import StopRequests
 from .task import Task
 {%- if cookiecutter.tracker != "none" %}
 from .tracker import Tracker
 {%- endif %}
-from .trainer import Trainer, accumulation_steps
+from .trainer import Trainer, batch_split
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides)
         # Checked before any process group starts: a bad batch split fails fast on every rank.
-        accumulation_steps(
-            config.train.global_batch_size, config.train.micro_batch_size, env.world_size
-        )
+        batch_split(config.train.global_batch_size, config.train.micro_batch_size, env.world_size)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -60,16 +59,22 @@ def main(argv: list[str] | None = None) -> int:
 
     run_dir = Path(config.run.dir)
     setup_logging(env.rank, run_dir)
-    with process_group(env, config.dist) as device:
-        train(config, env, device, run_dir)
-    return 0
+    # From here on a stop signal is recorded, not fatal: it is acted on once training can save.
+    stop = StopRequests(config.checkpoint.stop_on_signals)
+    with stop.installed(), process_group(env, config.dist) as device:
+        return train(config, env, device, run_dir, stop)
 
 
-def train(config: Config, env: DistEnv, device: torch.device, run_dir: Path) -> None:
-    """Build the task and trainer, resume if a checkpoint exists, and train to the end."""
+def train(
+    config: Config, env: DistEnv, device: torch.device, run_dir: Path, stop: StopRequests
+) -> int:
+    """Build the task and trainer, resume if a checkpoint exists, and train to the end.
+
+    Returns the exit status (see stopping.py).
+    """
     task = Task(config.task, seed=config.run.seed)
     metrics = MetricsLogger(run_dir, is_main=env.is_main)
-    trainer = Trainer(config, task, env, device, run_dir, metrics)
+    trainer = Trainer(config, task, env, device, run_dir, metrics, stop)
     if config.checkpoint.resume:
         trainer.resume()
     if env.is_main:
@@ -78,8 +83,9 @@ def train(config: Config, env: DistEnv, device: torch.device, run_dir: Path) -> 
         if config.tracker.enabled:
             metrics.tracker = Tracker(config, run_dir, resume_step=trainer.step)
 {%- endif %}
+    barrier()  # rank 0's set-up above may take a while; the others wait with the long timeout
     try:
-        trainer.fit()
+        return trainer.fit()
     finally:
         metrics.close()
 

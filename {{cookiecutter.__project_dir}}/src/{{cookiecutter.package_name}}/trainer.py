@@ -12,11 +12,9 @@ import logging
 import math
 import platform
 import random
-import signal
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -29,8 +27,9 @@ from . import __version__
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, ConfigError
 from .data import build_eval_loader, build_train_loader
-from .distributed import DistEnv, all_reduce_sum, any_rank, check_replicas
+from .distributed import DistEnv, all_reduce_sum, check_replicas
 from .metrics import MetricsLogger
+from .stopping import StopRequests
 from .task import Task
 
 log = logging.getLogger(__name__)
@@ -42,17 +41,27 @@ class ResumeError(RuntimeError):
     """The checkpoint in the run directory cannot continue this run as configured."""
 
 
-def accumulation_steps(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
-    """Micro-steps per optimizer step, so that the global batch is the same on 1 or 64 ranks."""
-    per_micro_step = micro_batch_size * world_size
-    if global_batch_size % per_micro_step:
+def batch_split(global_batch_size: int, max_micro: int, world_size: int) -> tuple[int, int]:
+    """(micro-batch size, accumulation steps) that give `global_batch_size` on `world_size` ranks.
+
+    Each rank takes global_batch_size / world_size samples per step, in the fewest equal
+    micro-batches of at most `max_micro` (train.micro_batch_size). Refused only when the global
+    batch cannot be shared equally, with the nearest global batches and world sizes that can.
+    """
+    if global_batch_size % world_size:
+        below = global_batch_size // world_size * world_size
+        batches = " or ".join(str(size) for size in (below, below + world_size) if size > 0)
+        sizes = [size for size in range(1, global_batch_size + 1) if global_batch_size % size == 0]
+        lower = max(size for size in sizes if size < world_size)
+        higher = [size for size in sizes if size > world_size][:1]
+        worlds = " or ".join(str(size) for size in [lower, *higher])
         raise ConfigError(
-            f"train.global_batch_size={global_batch_size} is not a multiple of world size "
-            f"{world_size} x train.micro_batch_size={micro_batch_size} = {per_micro_step}. "
-            f"Choose a global batch that is a multiple of {per_micro_step}, or another "
-            "train.micro_batch_size."
+            f"train.global_batch_size={global_batch_size} cannot be shared equally by "
+            f"{world_size} ranks. Use train.global_batch_size={batches}, or {worlds} ranks."
         )
-    return global_batch_size // per_micro_step
+    per_rank = global_batch_size // world_size
+    micro = max(size for size in range(1, min(per_rank, max_micro) + 1) if per_rank % size == 0)
+    return micro, per_rank // micro
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -100,6 +109,7 @@ class Trainer:
         device: torch.device,
         run_dir: Path,
         metrics: MetricsLogger,
+        stop: StopRequests | None = None,
     ) -> None:
         self.config = config
         self.task = task
@@ -108,9 +118,10 @@ class Trainer:
         self.run_dir = run_dir
         self.metrics = metrics
         train = config.train
-        self.accumulation_steps = accumulation_steps(
+        self.micro_batch_size, self.accumulation_steps = batch_split(
             train.global_batch_size, train.micro_batch_size, env.world_size
         )
+        self.stop = stop or StopRequests(config.checkpoint.stop_on_signals)
 
         # The same seed on every rank gives the same initial weights (DDP also broadcasts rank 0's).
         torch.manual_seed(config.run.seed)
@@ -122,14 +133,13 @@ class Trainer:
 
         train_set, eval_set = task.build_datasets()
         self.train_loader, self.sampler = build_train_loader(
-            train_set, env, config.data, train.micro_batch_size, config.run.seed, device
+            train_set, env, config.data, self.micro_batch_size, config.run.seed, device
         )
         self.eval_loader = build_eval_loader(
             eval_set, env, config.data, train.micro_batch_size, config.run.seed, device
         )
-        self.steps_per_epoch = len(self.sampler) // (
-            train.micro_batch_size * self.accumulation_steps
-        )
+        # The same on any world size: step s of an epoch always trains on the same global samples.
+        self.steps_per_epoch = len(train_set) // train.global_batch_size
         if self.steps_per_epoch == 0:
             raise ConfigError(
                 f"the training set ({len(train_set)} samples) is smaller than one global batch "
@@ -161,8 +171,6 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device.type, enabled=train.mixed_precision == "fp16")
 
         self.step = 0
-        # Set by SIGUSR1; acted on once every rank has finished the step it is in.
-        self.stop_requested = False
         # Train-loss sums since the last log line; kept in the checkpoint so resumed logs match.
         self.window_loss = torch.zeros((), dtype=torch.float64, device=device)
         self.window_steps = 0
@@ -222,34 +230,27 @@ class Trainer:
 
     # --- the loop ---------------------------------------------------------------------------
 
-    def fit(self) -> None:
-        """Train until `total_steps`, evaluating, logging and checkpointing on schedule."""
-        if self.step >= self.total_steps:
-            log.info(
-                "run already complete at step %d of %d; nothing to do", self.step, self.total_steps
-            )
-            return
-        log.info(
-            "training steps %d..%d: %d ranks, global batch %d = %d ranks x %d micro-batch x "
-            "%d accumulation, %d steps/epoch, device %s, precision %s",
-            self.step + 1,
-            self.total_steps,
-            self.env.world_size,
-            self.config.train.global_batch_size,
-            self.env.world_size,
-            self.config.train.micro_batch_size,
-            self.accumulation_steps,
-            self.steps_per_epoch,
-            self.device,
-            self.config.train.mixed_precision,
-        )
-        self.window_start = time.perf_counter()
-        with self._stop_on_sigusr1():
+    def fit(self) -> int:
+        """Train until `total_steps`, evaluating, logging and checkpointing on schedule.
+
+        Returns the process exit status: 0 when finished or stopped on request, and
+        stopping.EXIT_RESUMABLE when stopped by SIGTERM (with a checkpoint at the last step).
+        """
+        with self.stop.installed():
+            if self.stop.agreed_now():  # a signal during start-up: nothing new to save
+                return self._stopped()
+            if self.step >= self.total_steps:
+                log.info(
+                    "run already complete at step %d of %d; nothing to do",
+                    self.step,
+                    self.total_steps,
+                )
+                return 0
+            self._log_start()
+            self.window_start = time.perf_counter()
             while self.step < self.total_steps:
                 epoch, step_in_epoch = divmod(self.step, self.steps_per_epoch)
-                samples_per_rank_per_step = (
-                    self.config.train.micro_batch_size * self.accumulation_steps
-                )
+                samples_per_rank_per_step = self.micro_batch_size * self.accumulation_steps
                 self.sampler.set_epoch(epoch, start_index=step_in_epoch * samples_per_rank_per_step)
                 batches = iter(self.train_loader)
                 for _ in range(step_in_epoch, self.steps_per_epoch):
@@ -260,52 +261,40 @@ class Trainer:
                     self.window_loss += loss
                     self.window_steps += 1
                     self._periodic(epoch, grad_norm)
-                    if self._stop_agreed():
-                        self._stop()
-                        return
+                    if self.stop.agreed_after_step():
+                        if not self._due(self.config.checkpoint.every_steps):  # else just saved
+                            self.save()
+                        return self._stopped()
+            self.stop.close()
         log.info("training complete at step %d", self.step)
+        return 0
 
-    @contextmanager
-    def _stop_on_sigusr1(self) -> Iterator[None]:
-        """Record SIGUSR1 in `stop_requested` while training; restore the old handler after.
-
-        A signal handler can only be set from the main thread; elsewhere the signal keeps its
-        old meaning.
-        """
-        usr1 = getattr(signal, "SIGUSR1", None)  # absent on Windows
-        if (
-            not self.config.checkpoint.stop_on_sigusr1
-            or usr1 is None
-            or threading.current_thread() is not threading.main_thread()
-        ):
-            yield
-            return
-
-        def request_stop(signum: int, frame: object) -> None:
-            self.stop_requested = True
-
-        previous = signal.signal(usr1, request_stop)
-        try:
-            yield
-        finally:
-            signal.signal(usr1, previous)
-
-    def _stop_agreed(self) -> bool:
-        """Whether any rank has been asked to stop. Every rank asks after every step, so all of
-        them stop after the same step even when the signal reached them during different ones."""
-        if not self.config.checkpoint.stop_on_sigusr1:
-            return False
-        return any_rank(self.stop_requested, self.device)
-
-    def _stop(self) -> None:
-        if not self._due(self.config.checkpoint.every_steps):  # else _periodic saved it
-            self.save()
+    def _log_start(self) -> None:
         log.info(
-            "stopped at step %d of %d on SIGUSR1, with a checkpoint; launch the same command "
-            "again to continue",
+            "training steps %d..%d: %d ranks, global batch %d = %d ranks x %d micro-batch x "
+            "%d accumulation, %d steps/epoch, device %s, precision %s",
+            self.step + 1,
+            self.total_steps,
+            self.env.world_size,
+            self.config.train.global_batch_size,
+            self.env.world_size,
+            self.micro_batch_size,
+            self.accumulation_steps,
+            self.steps_per_epoch,
+            self.device,
+            self.config.train.mixed_precision,
+        )
+
+    def _stopped(self) -> int:
+        log.info(
+            "stopped at step %d of %d on %s, with a checkpoint there; launch the same command "
+            "again to continue (exit status %d)",
             self.step,
             self.total_steps,
+            self.stop.reason,
+            self.stop.exit_status,
         )
+        return self.stop.exit_status
 
     def _periodic(self, epoch: int, grad_norm: torch.Tensor) -> None:
         """What runs between steps on schedule. Every rank takes the same branches."""

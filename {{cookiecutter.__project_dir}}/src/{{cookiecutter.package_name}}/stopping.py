@@ -1,0 +1,136 @@
+"""Stopping on a signal: every rank finishes the same step, saves a checkpoint and exits.
+
+- SIGTERM (Slurm on preemption, scancel and at the time limit; torchrun passing on its own;
+  `docker stop`; Kubernetes): exit status 75, `EXIT_RESUMABLE`.
+- SIGUSR1 or SIGUSR2 (the Slurm script ahead of the time limit, or you): exit status 0.
+
+75 is EX_TEMPFAIL: "stopped with a checkpoint at the current step; launch the same command again
+to continue". torchrun restarts the workers on it (when `--max-restarts` allows) and the Slurm
+script requeues the job. 0 after SIGUSR1/SIGUSR2: the stop was asked for, whoever asked decides
+what comes next.
+
+The handler only records the signal: saving inside a signal handler can deadlock. After every
+step each rank starts an all-reduce (MAX) of what it has received on the CPU control group and
+reads the result after the next step, by which time it has long arrived. Every rank reads the
+same result after the same step, so all of them stop together, at most one step after the first
+signal reached any of them, without a blocking collective or a GPU sync in the step.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .distributed import control_group, is_distributed
+
+EXIT_RESUMABLE = 75
+
+# What a rank has received, agreed on with MAX: a SIGTERM anywhere outweighs a stop request.
+_NOTHING, _REQUESTED, _TERMINATED = 0, 1, 2
+_SIGNALS = {"SIGTERM": _TERMINATED, "SIGUSR1": _REQUESTED, "SIGUSR2": _REQUESTED}
+
+
+class StopRequests:
+    """Records stop signals in this process and lets all ranks agree on when to act on them."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.received = _NOTHING
+        #: What the ranks agreed on; set once they stop.
+        self.agreed = _NOTHING
+        self._installed = False
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        """Record the stop signals inside the block, and restore the previous handlers after it.
+
+        Re-entrant: an inner block inside an outer one changes nothing. Python sets signal
+        handlers from the main thread only; elsewhere the signals keep their meaning.
+        """
+        if (
+            not self.enabled
+            or self._installed
+            or threading.current_thread() is not threading.main_thread()
+        ):
+            yield
+            return
+        previous: dict[signal.Signals, Any] = {}
+        for name in _SIGNALS:
+            signum = getattr(signal, name, None)  # SIGUSR1/2 do not exist on Windows
+            if signum is not None:
+                previous[signum] = signal.signal(signum, self._record)
+        self._installed = True
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            self._installed = False
+
+    def _record(self, signum: int, frame: object) -> None:
+        # Only a flag: logging or saving here could run in the middle of the same work.
+        self.received = max(self.received, _SIGNALS[signal.Signals(signum).name])
+
+    def agreed_now(self) -> bool:
+        """Whether any rank has received a stop signal so far; blocking, for before training.
+
+        A collective: every rank calls it at the same point. It catches signals that arrived
+        during start-up (process group, data, resume).
+        """
+        if not self.enabled:
+            return False
+        value = torch.tensor([self.received], dtype=torch.int32)
+        if is_distributed():
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=control_group())
+        self.agreed = int(value)
+        return self.agreed != _NOTHING
+
+    def agreed_after_step(self) -> bool:
+        """Whether every rank stops now. Every rank calls this after every optimizer step.
+
+        Returns the answer to the all-reduce started after the previous step, then starts the next
+        one with what this rank has received by now.
+        """
+        if not self.enabled:
+            return False
+        if not is_distributed():
+            self.agreed = self.received
+            return self.agreed != _NOTHING
+        agreed = self._finish_pending()
+        value = torch.tensor([self.received], dtype=torch.int32)
+        work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=control_group(), async_op=True)
+        self._pending = (work, value)
+        if agreed != _NOTHING:
+            self.agreed = agreed
+            self._finish_pending()
+            return True
+        return False
+
+    def close(self) -> None:
+        """Wait for the all-reduce in flight: every rank started it, so it completes."""
+        self._finish_pending()
+
+    def _finish_pending(self) -> int:
+        if self._pending is None:
+            return _NOTHING
+        work, value = self._pending
+        self._pending = None
+        work.wait()
+        return int(value)
+
+    @property
+    def reason(self) -> str:
+        """The agreed stop in words, for the log."""
+        return "SIGTERM" if self.agreed == _TERMINATED else "a stop request (SIGUSR1/SIGUSR2)"
+
+    @property
+    def exit_status(self) -> int:
+        """What the process exits with: EXIT_RESUMABLE after a SIGTERM stop, else 0."""
+        return EXIT_RESUMABLE if self.agreed == _TERMINATED else 0
