@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
+from {{ cookiecutter.package_name }}.config import DataConfig
 from {{ cookiecutter.package_name }}.data import (
     EvalShardSampler,
     ResumableDistributedSampler,
+    build_train_loader,
 )
 from {{ cookiecutter.package_name }}.distributed import DistEnv
 
@@ -70,3 +73,40 @@ def test_eval_shards_count_every_sample_exactly_once() -> None:
     """Evaluation never pads: 101 samples over 2 ranks are 51 + 50, no duplicates."""
     shards = [list(EvalShardSampler(101, DistEnv(rank=r, world_size=WORLD))) for r in range(WORLD)]
     assert sorted(shards[0] + shards[1]) == list(range(101))
+
+
+class RandomCrops(Dataset):
+    """Augmentation stand-in: each fetch draws a random number, as a random crop would."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.rand(())
+
+
+def _drawn(rank: int, world_size: int, epoch: int = 0, start_index: int = 0) -> list[float]:
+    """What a rank's DataLoader workers draw for each sample of its shard, in order."""
+    loader, sampler = build_train_loader(
+        RandomCrops(),
+        DistEnv(rank=rank, world_size=world_size),
+        DataConfig(num_workers=2, pin_memory=False),
+        micro_batch_size=4,
+        seed=7,
+        device=torch.device("cpu"),
+    )
+    sampler.set_epoch(epoch, start_index=start_index)
+    return torch.cat(list(loader)).tolist()
+
+
+@pytest.mark.timeout(120)
+def test_dataloader_workers_draw_different_random_numbers_on_every_rank() -> None:
+    rank_0, rank_1 = _drawn(0, WORLD), _drawn(1, WORLD)
+    assert len(set(rank_0) | set(rank_1)) == len(rank_0) + len(rank_1)
+
+
+@pytest.mark.timeout(120)
+def test_dataloader_workers_draw_the_same_numbers_after_a_resume_mid_epoch() -> None:
+    """Fresh workers starting at sample 12 of the shard draw what the unbroken epoch drew."""
+    assert _drawn(0, WORLD, epoch=1, start_index=12) == _drawn(0, WORLD, epoch=1)[12:]
+    assert _drawn(0, WORLD, epoch=2) != _drawn(0, WORLD, epoch=1)

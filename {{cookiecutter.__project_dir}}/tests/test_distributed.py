@@ -31,7 +31,7 @@ def test_two_ranks_train_checkpoint_and_resume(tmp_path: Path) -> None:
     second = run_torchrun(2, [*FAST, f"run.dir={run_dir}", "train.max_steps=16"])
     assert second.returncode == 0, second.stderr
     assert "resumed from" in second.stderr and "at step 8" in second.stderr
-    state, _ = load_checkpoint(latest_checkpoint(run_dir), rank=0)
+    state = load_checkpoint(latest_checkpoint(run_dir), rank=0, world_size=2).state
     assert (state["step"], state["world_size"]) == (16, 2)
 
     losses = [r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r]
@@ -47,3 +47,18 @@ def test_failing_rank_ends_the_job_with_an_error(tmp_path: Path) -> None:
     )
     assert result.returncode != 0
     assert "smaller than one global batch" in result.stderr
+
+
+def test_eight_ranks_train_the_default_config_unchanged(tmp_path: Path) -> None:
+    """The shipped config on 8 processes: 128 samples per step = 8 ranks x 16, no accumulation."""
+    run_dir = tmp_path / "run"
+    default_config = Path(__file__).parents[1] / "configs" / "default.yaml"
+    result = run_torchrun(
+        8,
+        ["--config", str(default_config), f"run.dir={run_dir}", "train.max_steps=3"],
+        timeout=280,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "global batch 128 = 8 ranks x 16 micro-batch x 1 accumulation" in result.stderr
+    loaded = load_checkpoint(latest_checkpoint(run_dir), rank=7, world_size=8)
+    assert (loaded.state["step"], loaded.world_size) == (3, 8)

@@ -41,5 +41,5 @@ def test_two_gpus_train_checkpoint_and_resume_with_nccl(tmp_path: Path) -> None:
     )
     assert second.returncode == 0, second.stderr
     assert "resumed from" in second.stderr
-    state, _ = load_checkpoint(latest_checkpoint(run_dir), rank=0)
+    state = load_checkpoint(latest_checkpoint(run_dir), rank=0, world_size=2).state
     assert (state["step"], state["world_size"]) == (16, 2)

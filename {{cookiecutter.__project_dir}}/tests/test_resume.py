@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -10,9 +11,8 @@ import torch
 
 from {{ cookiecutter.package_name }}.config import load_config
 from {{ cookiecutter.package_name }}.metrics import read_metrics
-from {{ cookiecutter.package_name }}.trainer import ResumeError
 
-from .helpers import FAST, env_for, make_trainer, spawn
+from .helpers import FAST, Float64Task, env_for, make_trainer, spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -112,10 +112,57 @@ def test_logged_losses_and_metrics_equal_an_unbroken_run(runs: tuple) -> None:
     )
 
 
-def test_resuming_with_another_world_size_is_refused(runs: tuple, tmp_path: Path) -> None:
-    """A 2-rank checkpoint does not silently continue on 1 rank: the error says what to do."""
-    workdir, _ = runs
-    shutil.copytree(workdir / "straight", tmp_path / "run")
-    single = make_trainer(load_config(None, _config(tmp_path / "run")))
-    with pytest.raises(ResumeError, match="written by 2 ranks but this run has 1"):
-        single.resume()
+# --- another world size --------------------------------------------------------------------
+# float64 and no dropout: a run resumed on another number of ranks then ends within rounding of
+# the unbroken run exactly when it continued at the right sample with the right global batch.
+
+
+def _float64_config(run_dir: Path) -> list[str]:
+    return [*_config(run_dir), "task.dropout=0.0"]
+
+
+def _float64_run(rank: int, world_size: int, run_dir: Path) -> dict[str, torch.Tensor]:
+    config = load_config(None, _float64_config(run_dir))
+    trainer = make_trainer(config, env_for(rank, world_size), Float64Task(config.task, 1234))
+    resumed_at = trainer.step if trainer.resume() else None
+    trainer.fit()
+    return {"resumed_at": resumed_at, "weights": trainer.model.state_dict()}
+
+
+@pytest.fixture(scope="module")
+def two_rank_float64_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    workdir = tmp_path_factory.mktemp("float64")
+    result = spawn(2, _float64_run, workdir / "run", workdir=workdir)[0]
+    return workdir / "run", result["weights"]
+
+
+def _copy_up_to_first_checkpoint(source: Path, target: Path) -> None:
+    shutil.copytree(source, target)
+    for checkpoint in sorted((target / "checkpoints").iterdir())[1:]:
+        shutil.rmtree(checkpoint)
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_a_2_rank_checkpoint_continues_on_another_world_size_at_the_exact_sample(
+    two_rank_float64_run: tuple[Path, dict], tmp_path: Path, world_size: int
+) -> None:
+    source, unbroken = two_rank_float64_run
+    _copy_up_to_first_checkpoint(source, tmp_path / "run")
+    if world_size == 1:
+        result = _float64_run(0, 1, tmp_path / "run")
+    else:
+        result = spawn(world_size, _float64_run, tmp_path / "run", workdir=tmp_path)[0]
+    assert result["resumed_at"] == CHECKPOINT_EVERY
+    for name, tensor in unbroken.items():
+        torch.testing.assert_close(result["weights"][name], tensor, rtol=1e-9, atol=1e-12)
+
+
+def test_resuming_on_another_world_size_says_bitwise_reproducibility_is_lost(
+    two_rank_float64_run: tuple[Path, dict], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _copy_up_to_first_checkpoint(two_rank_float64_run[0], tmp_path / "run")
+    config = load_config(None, _float64_config(tmp_path / "run"))
+    with caplog.at_level(logging.WARNING):
+        assert make_trainer(config, task=Float64Task(config.task, 1234)).resume()
+    assert "checkpoint of 2 ranks on 1" in caplog.text
+    assert "no longer bitwise reproducible" in caplog.text

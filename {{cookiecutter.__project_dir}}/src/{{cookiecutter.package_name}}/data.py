@@ -5,7 +5,9 @@ The task (task.py) builds the data sets; this module decides which rank sees whi
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
@@ -23,7 +25,9 @@ class ResumableDistributedSampler(DistributedSampler):
     rank per step) samples of this rank's shard.
     """
 
-    def __init__(self, dataset: Dataset, env: DistEnv, seed: int) -> None:
+    def __init__(
+        self, dataset: Dataset, env: DistEnv, seed: int, sample_seeds: bool = False
+    ) -> None:
         super().__init__(
             dataset,
             num_replicas=env.world_size,
@@ -33,6 +37,7 @@ class ResumableDistributedSampler(DistributedSampler):
             drop_last=True,
         )
         self.start_index = 0
+        self.sample_seeds = sample_seeds
 
     def set_epoch(self, epoch: int, start_index: int = 0) -> None:
         """Select the epoch's permutation (call every epoch) and where in the shard to begin."""
@@ -43,12 +48,39 @@ class ResumableDistributedSampler(DistributedSampler):
         super().set_epoch(epoch)
         self.start_index = start_index
 
-    def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())
-        return iter(indices[self.start_index :])
+    def __iter__(self) -> Iterator[Any]:
+        """This rank's indices from `start_index` on; with `sample_seeds`, (index, seed) pairs for
+        SampleSeededDataset."""
+        indices = list(super().__iter__())[self.start_index :]
+        if not self.sample_seeds:
+            return iter(indices)
+        epoch_seed = (self.seed * 1_000_003 + self.epoch) * 1_000_033
+        return iter([(index, (epoch_seed + index) % 2**63) for index in indices])
 
     def __len__(self) -> int:
         return self.num_samples - self.start_index
+
+
+class SampleSeededDataset(Dataset):
+    """Seeds the random generators of a DataLoader worker before each sample it fetches.
+
+    Random augmentation in a worker then depends on (run seed, epoch, sample) alone: it differs
+    between samples, epochs and so ranks, and a run resumed mid-epoch draws exactly what the
+    unbroken run drew, whatever the number of workers. Without it every rank's workers start
+    from the same seed, and a resumed run's fresh workers repeat what the old ones drew first.
+    """
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, item: tuple[int, int]) -> Any:
+        index, seed = item
+        random.seed(seed)
+        torch.manual_seed(seed)
+        return self.dataset[index]
 
 
 class EvalShardSampler(Sampler[int]):
@@ -76,14 +108,19 @@ def build_train_loader(
     seed: int,
     device: torch.device,
 ) -> tuple[DataLoader, ResumableDistributedSampler]:
-    """Full micro-batches only (drop_last): every optimizer step sees exactly the global batch."""
-    sampler = ResumableDistributedSampler(dataset, env, seed)
+    """Full micro-batches only (drop_last): every optimizer step sees exactly the global batch.
+
+    With worker processes, each sample is fetched with its own seed (SampleSeededDataset); in
+    the main process (num_workers=0) the rank's own generators, saved in checkpoints, serve.
+    """
+    workers = config.num_workers > 0
+    sampler = ResumableDistributedSampler(dataset, env, seed, sample_seeds=workers)
     loader = DataLoader(
-        dataset,
+        SampleSeededDataset(dataset) if workers else dataset,
         batch_size=micro_batch_size,
         sampler=sampler,
         drop_last=True,
-        **_loader_options(config, device, seed),
+        **_loader_options(config, device, seed + env.rank),
     )
     return loader, sampler
 
@@ -99,7 +136,10 @@ def build_eval_loader(
     """Every evaluation sample exactly once across all ranks."""
     sampler = EvalShardSampler(len(dataset), env)
     return DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, **_loader_options(config, device, seed)
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        **_loader_options(config, device, seed + env.rank),
     )
 
 
@@ -111,5 +151,6 @@ def _loader_options(config: DataConfig, device: torch.device, seed: int) -> dict
         "persistent_workers": workers > 0,
         # Without its own generator, every iter(loader) draws from the global torch RNG, so a
         # run resumed mid-epoch (one extra iter) would get different dropout masks afterwards.
+        # Seeded per rank: it also seeds the workers, which must differ between ranks.
         "generator": torch.Generator().manual_seed(seed),
     }

@@ -210,3 +210,15 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if is_distributed():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def all_ranks_agree(flag: bool) -> bool:
+    """Whether `flag` is true on every rank: the same answer everywhere (MIN on the control group).
+
+    A collective: every rank must call it at the same point.
+    """
+    if not is_distributed():
+        return flag
+    tensor = torch.tensor([int(flag)])
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=_control_group)
+    return bool(tensor.item())

@@ -18,6 +18,7 @@ from .config import Config, ConfigError, load_config, to_yaml
 from .distributed import DistEnv, barrier, detect_env, process_group
 from .logs import setup_logging
 from .metrics import MetricsLogger
+from .resume import ResumeError, require_fresh_run_dir
 from .stopping import StopRequests
 from .task import Task
 {%- if cookiecutter.tracker != "none" %}
@@ -61,8 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(env.rank, run_dir)
     # From here on a stop signal is recorded, not fatal: it is acted on once training can save.
     stop = StopRequests(config.checkpoint.stop_on_signals)
-    with stop.installed(), process_group(env, config.dist) as device:
-        return train(config, env, device, run_dir, stop)
+    try:
+        with stop.installed(), process_group(env, config.dist) as device:
+            return train(config, env, device, run_dir, stop)
+    except ResumeError as error:
+        log.error("%s", error)
+        return 2
 
 
 def train(
@@ -77,6 +82,9 @@ def train(
     trainer = Trainer(config, task, env, device, run_dir, metrics, stop)
     if config.checkpoint.resume:
         trainer.resume()
+    else:
+        require_fresh_run_dir(run_dir)
+        metrics.truncate_after(0)
     if env.is_main:
         (run_dir / "config.yaml").write_text(to_yaml(config))
 {%- if cookiecutter.tracker != "none" %}

@@ -24,21 +24,24 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
 from . import __version__
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import load_newest_intact, save_checkpoint
 from .config import Config, ConfigError
 from .data import build_eval_loader, build_train_loader
 from .distributed import DistEnv, all_reduce_sum, check_replicas
 from .metrics import MetricsLogger
+from .resume import (
+    OPTIMIZER_SETTINGS,
+    announce_world_size_change,
+    apply_optimizer_settings,
+    changed_settings,
+    check_changes,
+)
 from .stopping import StopRequests
 from .task import Task
 
 log = logging.getLogger(__name__)
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
-
-
-class ResumeError(RuntimeError):
-    """The checkpoint in the run directory cannot continue this run as configured."""
 
 
 def batch_split(global_batch_size: int, max_micro: int, world_size: int) -> tuple[int, int]:
@@ -122,14 +125,14 @@ class Trainer:
             train.global_batch_size, train.micro_batch_size, env.world_size
         )
         self.stop = stop or StopRequests(config.checkpoint.stop_on_signals)
+        self.step = 0
 
         # The same seed on every rank gives the same initial weights (DDP also broadcasts rank 0's).
         torch.manual_seed(config.run.seed)
         self.model = task.build_model().to(device)
         self.ddp_model = self._wrap(self.model)
         # From here on each rank draws its own random numbers (dropout, augmentation).
-        random.seed(config.run.seed + env.rank)
-        torch.manual_seed(config.run.seed + env.rank)
+        self._seed_rank_streams()
 
         train_set, eval_set = task.build_datasets()
         self.train_loader, self.sampler = build_train_loader(
@@ -170,7 +173,6 @@ class Trainer:
         # Loss scaling only for fp16: bf16 has fp32's exponent range and needs none.
         self.scaler = torch.amp.GradScaler(device.type, enabled=train.mixed_precision == "fp16")
 
-        self.step = 0
         # Train-loss sums since the last log line; kept in the checkpoint so resumed logs match.
         self.window_loss = torch.zeros((), dtype=torch.float64, device=device)
         self.window_steps = 0
@@ -412,36 +414,39 @@ class Trainer:
         return path
 
     def resume(self) -> bool:
-        """Continue from the newest complete checkpoint in the run directory, if there is one."""
-        path = latest_checkpoint(self.run_dir)
-        if path is None:
+        """Continue from the newest checkpoint that every rank can load, if there is one.
+
+        A collective. Settings changed since the checkpoint are refused or applied (resume.py);
+        on another number of ranks, the per-rank random streams are derived afresh.
+        """
+        loaded = load_newest_intact(self.run_dir, self.env)
+        if loaded is None:
+            self.metrics.truncate_after(0)  # a run that died before its first checkpoint
             return False
-        state, rank_state = load_checkpoint(path, self.env.rank)
-        self._check_resumable(state, path)
+        state, announce = loaded.state, self.env.is_main
+        changes = changed_settings(state["config"], self.config.to_dict())
+        check_changes(changes, loaded.path, announce)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
+        if state["scaler"]:  # empty when saved without fp16 loss scaling
+            self.scaler.load_state_dict(state["scaler"])
+        if changes.keys() & OPTIMIZER_SETTINGS:
+            apply_optimizer_settings(self.optimizer, self.scheduler, self.config.optim)
         self.step = state["step"]
-        restore_rng(rank_state["rng"], self.device)
-        self.window_loss = rank_state["window_loss"].to(self.device)
-        self.window_steps = rank_state["window_steps"]
+        if loaded.rank_state is not None:
+            restore_rng(loaded.rank_state["rng"], self.device)
+            self.window_loss = loaded.rank_state["window_loss"].to(self.device)
+            self.window_steps = loaded.rank_state["window_steps"]
+        else:
+            announce_world_size_change(loaded.world_size, self.env.world_size, announce)
+            self._seed_rank_streams()
         self.metrics.truncate_after(self.step)
-        log.info("resumed from %s at step %d", path, self.step)
+        log.info("resumed from %s at step %d", loaded.path, self.step)
         return True
 
-    def _check_resumable(self, state: dict[str, Any], path: Path) -> None:
-        saved, now = state["world_size"], self.env.world_size
-        if saved != now:
-            raise ResumeError(
-                f"{path} was written by {saved} ranks but this run has {now}: the per-rank random "
-                f"states and data shards would not line up. Resume with {saved} processes, or "
-                "start a new run with another run.dir."
-            )
-        saved_batch, batch = state["global_batch_size"], self.config.train.global_batch_size
-        if saved_batch != batch:
-            raise ResumeError(
-                f"{path} was trained with train.global_batch_size={saved_batch}, this run sets "
-                f"{batch}: the position in the data would be wrong. Keep the global batch, or use "
-                "another run.dir."
-            )
+    def _seed_rank_streams(self) -> None:
+        """This rank's own random streams (dropout, augmentation), from the seed, rank and step."""
+        seed = self.config.run.seed + self.env.rank + self.step * 1_000_003
+        random.seed(seed)
+        torch.manual_seed(seed)

@@ -1,0 +1,142 @@
+"""Whether a checkpoint can continue this run, and what changed since it was written.
+
+A resumed run is never silently different from what its config says. Each setting that differs
+from the checkpoint's is either refused (it would change what the checkpoint means: the data
+order, the model, the position in the data) or applied from the resumed step on, and then said in
+one log line. A different number of ranks is allowed: the position in the data does not depend
+on it, only the per-rank random streams do, which are then derived afresh.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from .checkpoint import complete_checkpoints
+from .config import OptimConfig
+
+log = logging.getLogger(__name__)
+
+#: Settings whose change is refused on resume, with why.
+REFUSED = {
+    "run.seed": "it chooses the initial weights and the order of the data",
+    "train.global_batch_size": "the position in the data is counted in global batches",
+    "task.": "the model and the data would no longer be those the checkpoint was trained on",
+}
+#: What applying a changed setting means, where there is more to say than "from now on".
+APPLIED = {
+    "optim.lr": "the optimizer's learning rate and the schedule's peak",
+    "optim.weight_decay": "set in the optimizer",
+    "optim.betas": "set in the optimizer",
+    "optim.warmup_steps": "the learning-rate schedule takes its new shape at the current step",
+    "optim.min_lr_ratio": "the learning-rate schedule takes its new shape at the current step",
+    "train.max_steps": "the learning-rate schedule now ends at the new last step",
+    "train.epochs": "the learning-rate schedule now ends at the new last step",
+    "train.micro_batch_size": "same global batch, other micro-batches: results differ in the "
+    "last bits",
+    "train.mixed_precision": "the loss scaler starts afresh when fp16 is turned on",
+}
+#: Settings that change where or whether a run resumes, not the run itself.
+NOT_COMPARED = {"run.dir", "checkpoint.resume"}
+#: Changes that the optimizer and its schedule must be told about after loading their state.
+OPTIMIZER_SETTINGS = {key for key in APPLIED if key.startswith("optim.")} | {
+    "train.max_steps",
+    "train.epochs",
+}
+
+
+class ResumeError(RuntimeError):
+    """The checkpoint in the run directory cannot continue this run as configured."""
+
+
+def require_fresh_run_dir(run_dir: Path) -> None:
+    """Refuse to start a new run where an earlier run's checkpoints are (checkpoint.resume=false).
+
+    Starting over there would mix two runs' metrics and prune one run's checkpoints by the
+    other's names, and a later launch would resume whichever checkpoint is newest.
+    """
+    checkpoints = complete_checkpoints(run_dir)
+    if checkpoints:
+        raise ResumeError(
+            f"checkpoint.resume=false, but {run_dir} holds checkpoints of an earlier run "
+            f"(newest: {checkpoints[-1].name}). Use a new run.dir for a new run, or drop "
+            "checkpoint.resume=false to continue that one."
+        )
+
+
+def changed_settings(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple]:
+    """`section.key` -> (checkpoint's value, current value) for every setting that differs.
+
+    Settings that exist on one side only (a config written by another version) are skipped.
+    """
+    old, new = _flatten(saved), _flatten(current)
+    return {
+        key: (old[key], new[key])
+        for key in old.keys() & new.keys()
+        if key not in NOT_COMPARED and old[key] != new[key]
+    }
+
+
+def check_changes(changes: dict[str, tuple], path: Path, announce: bool) -> None:
+    """Raise ResumeError for refused changes; otherwise log one line per applied change."""
+    refused = {key: values for key, values in changes.items() if _refusal(key)}
+    if refused:
+        details = "; ".join(
+            f"{key} {old!r} -> {new!r} ({_refusal(key)})" for key, (old, new) in refused.items()
+        )
+        raise ResumeError(
+            f"cannot resume {path} with changed settings: {details}. Set them back to the "
+            "checkpoint's values, or start a new run with another run.dir."
+        )
+    if announce:
+        for key, (old, new) in sorted(changes.items()):
+            note = APPLIED.get(key, "used from now on")
+            log.info("resume: %s changed from %r to %r: applied (%s)", key, old, new, note)
+
+
+def announce_world_size_change(saved: int, current: int, announce: bool) -> None:
+    if announce:
+        log.warning(
+            "resuming a checkpoint of %d ranks on %d: the data continues at the exact sample and "
+            "the global batch is unchanged, but each rank's random numbers (dropout, "
+            "augmentation) are derived afresh, so this run is no longer bitwise reproducible",
+            saved,
+            current,
+        )
+
+
+def apply_optimizer_settings(
+    optimizer: torch.optim.Optimizer, scheduler: LambdaLR, optim: OptimConfig
+) -> None:
+    """Make a loaded optimizer and schedule follow `optim` and the current schedule from now on.
+
+    The loaded state holds the checkpoint's learning rate, betas and weight decay; the schedule
+    function is already the current config's, so the learning rate is recomputed with it.
+    """
+    for group, lr_lambda in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group["weight_decay"] = optim.weight_decay
+        group["betas"] = optim.betas
+        group["initial_lr"] = optim.lr
+        group["lr"] = optim.lr * lr_lambda(scheduler.last_epoch)
+    scheduler.base_lrs = [optim.lr] * len(optimizer.param_groups)
+
+
+def _refusal(key: str) -> str | None:
+    for prefix, reason in REFUSED.items():
+        if key == prefix or (prefix.endswith(".") and key.startswith(prefix)):
+            return reason
+    return None
+
+
+def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
