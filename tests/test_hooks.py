@@ -3,42 +3,16 @@ refused generation leaves nothing behind."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 import types
 from pathlib import Path
 
-import jinja2
 import pytest
-from matrix import DEFAULTS, ROOT, RULES
-
-HOOKS = ROOT / "hooks"
-VALID = {
-    **DEFAULTS,
-    "project_name": "DDP Project",
-    "project_slug": "ddp-project",
-    "package_name": "ddp_project",
-    "description": "A project.",
-    "author_name": "Ada Lovelace",
-    "author_email": "ada@example.com",
-    "slurm_partition": "gpu",
-    "slurm_account": "",
-    "slurm_nodes": "2",
-    "slurm_gpus_per_node": "0",
-    "slurm_cpus_per_process": "8",
-    "slurm_time_limit": "2-00:00:00",
-    "_invalid_combinations": RULES,
-}
-
-
-def load_hook(name: str, context: dict) -> types.ModuleType:
-    """Render a hook as cookiecutter does (answers as JSON) and import it as a module."""
-    source = (
-        jinja2.Environment().from_string((HOOKS / name).read_text()).render(cookiecutter=context)
-    )
-    module = types.ModuleType(name.removesuffix(".py"))
-    exec(compile(source, name, "exec"), module.__dict__)
-    return module
+from answers import VALID, load_hook
+from matrix import CONTEXT, ROOT, RULES
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +116,47 @@ def test_old_cookiecutter_is_refused(
     assert "needs cookiecutter >= 2.7 (found 2.6.0)" in pre_gen.cookiecutter_version_error()
     monkeypatch.setattr(pre_gen.metadata, "version", lambda name: "2.7.1")
     assert pre_gen.cookiecutter_version_error() is None
+
+
+#: Keys cookiecutter adds to every context, whatever cookiecutter.json holds.
+RUNTIME_KEYS = {"_template", "_output_dir", "_repo_dir", "_checkout"}
+
+
+def test_every_key_the_render_sees_has_one_validator(pre_gen: types.ModuleType) -> None:
+    """Adding an option to cookiecutter.json means adding its row to the table, and the table
+    has no row for a key that no longer exists."""
+    assert set(pre_gen.VALIDATORS) == set(CONTEXT) | RUNTIME_KEYS
+
+
+def test_option_without_a_validator_is_reported_as_a_template_bug(
+    pre_gen: types.ModuleType, tmp_path: Path
+) -> None:
+    shutil.copy(ROOT / "local_extensions.py", tmp_path)
+    (tmp_path / "cookiecutter.json").write_text(json.dumps({**CONTEXT, "new_option": "x"}))
+    errors = pre_gen.validate(VALID, str(tmp_path))
+    assert errors == [
+        "template bug: option new_option has no validator in hooks/pre_gen_project.py"
+    ]
+
+
+def test_answers_without_the_template_extension_are_refused(pre_gen: types.ModuleType) -> None:
+    """Without its extension the template cannot escape the answers, nor find its own files."""
+    [error] = pre_gen.validate({**VALID, "_extensions": []}, template_dir=None)
+    assert error.startswith("_extensions [] leaves out the template's own Jinja extension")
+    assert error.endswith("Remove _extensions from the replay file")
+
+
+def test_combination_rules_come_from_the_template_not_the_answers(
+    pre_gen: types.ModuleType,
+) -> None:
+    """A replay file that empties `_invalid_combinations` is still held to the rules."""
+    errors = errors_for(
+        pre_gen,
+        _invalid_combinations=[],
+        use_docker=True,
+        python_version=RULES[0]["when"]["python_version"][0],
+    )
+    assert any(error.startswith("invalid combination:") for error in errors)
 
 
 def render_cli(out: Path, *answers: str) -> subprocess.CompletedProcess[str]:

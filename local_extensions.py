@@ -1,0 +1,171 @@
+"""Jinja filters that write an answer into each file format of the rendered project.
+
+The pre-generation hook decides which answers are allowed; these filters make sure that an
+allowed answer lands in a file as data of that file's format and never as its syntax: a quote
+in a name cannot end a TOML string, a dot in the slug cannot open a TOML table, `$(...)` in a
+description cannot run in a shell. A value that needs no escaping comes out as a person would
+have written it (`"DDP Project"`, `ddp-project-train`), so default renders read as hand-written.
+
+cookiecutter loads `FormatFilters` through `_extensions` in cookiecutter.json and puts this
+directory on `sys.path` while it renders. The pre-generation hook loads this file too, for the
+slug rule that also names the project directory; it finds it through the `template_dir` global,
+because cookiecutter may give the hook a template path relative to a directory it has left.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeGuard
+
+from jinja2 import Environment
+from jinja2.ext import Extension
+
+#: Resolved on import, while the working directory is still the one the template path is
+#: relative to.
+TEMPLATE_DIR = Path(__file__).resolve().parent
+
+#: A slug: ASCII letters and digits, words joined by one '.', '_' or '-'. That is a valid
+#: distribution name (PEP 508), directory name, Docker image name (lowercased) and shell word.
+SLUG = re.compile(r"[A-Za-z0-9]+(?:[._-][A-Za-z0-9]+)*")
+#: Long enough for any real name, far below the file systems' 255-byte limit on a path part;
+#: the default slug is cut to it (cookiecutter.json), and the package name derived from it fits
+#: the hook's limit on package names.
+MAX_SLUG = 50
+#: The directory a refused slug renders into, so that the hook gets to say why it is refused
+#: (a 300-character name would fail with a traceback as cookiecutter creates the directory).
+INVALID_SLUG_DIRECTORY = "invalid-project-slug"
+#: TOML keys that may stay bare; anything else (a dot would open a table) is quoted.
+BARE_TOML_KEY = re.compile(r"[A-Za-z0-9_-]+")
+#: Escapes understood alike by TOML, YAML and Python double-quoted strings.
+SHORT_ESCAPES = {"\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+#: Ruff's line length in the rendered project: a longer docstring line fails its lint.
+PYTHON_LINE_LENGTH = 100
+
+
+def is_slug(value: object) -> TypeGuard[str]:
+    """Whether `value` may name the project directory, distribution and Docker image."""
+    return isinstance(value, str) and len(value) <= MAX_SLUG and SLUG.fullmatch(value) is not None
+
+
+def project_dir(slug: object) -> str:
+    """The project directory's name: the slug, or a fixed safe name for a slug the hook refuses."""
+    return slug if is_slug(slug) else INVALID_SLUG_DIRECTORY
+
+
+def _escape_char(char: str) -> str:
+    """One character as an escape that TOML, YAML and Python all read the same way."""
+    code = ord(char)
+    if char in SHORT_ESCAPES:
+        return SHORT_ESCAPES[char]
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+def _quoted(value: object, quote: str, needs_escape: Callable[[str], bool]) -> str:
+    """`value` between `quote`s, with backslash escapes for `quote`, backslashes and every
+    character `needs_escape` picks; lowercase hex, as ruff formats escapes."""
+    text = str(value)
+    body = "".join(
+        "\\" + char
+        if char == quote
+        else _escape_char(char)
+        if char == "\\" or needs_escape(char)
+        else char
+        for char in text
+    )
+    return quote + body + quote
+
+
+def _not_printable(char: str) -> bool:
+    """Control, format and separator characters: invisible, or line breaks to some parser."""
+    return not char.isprintable()
+
+
+def toml_string(value: object) -> str:
+    """A TOML basic string (`"..."`): control characters, DEL and other unprintable ones are
+    escaped, printable Unicode is kept as it is."""
+    return _quoted(value, '"', _not_printable)
+
+
+def toml_key(value: object) -> str:
+    """A TOML key that is exactly `value`: bare where TOML allows it, quoted otherwise (a bare
+    `my.project-train` would be the key `project-train` of a table `my`)."""
+    text = str(value)
+    return text if BARE_TOML_KEY.fullmatch(text) else toml_string(text)
+
+
+def yaml_string(value: object) -> str:
+    """A YAML double-quoted scalar: always a string (never `yes`, `null` or a number), with
+    unprintable characters and YAML's extra line breaks (NEL, U+2028, U+2029) escaped."""
+    return _quoted(value, '"', _not_printable)
+
+
+def _not_printable_ascii(char: str) -> bool:
+    """For Python source: anything ruff might flag as a look-alike, and the unprintable."""
+    return not (char.isascii() and char.isprintable())
+
+
+def python_string(value: object, docstring: bool = False) -> str:
+    """A Python string literal whose value is exactly `value`, in the quotes ruff's formatter
+    picks, with every non-ASCII character escaped: ruff flags letters that look like ASCII ones
+    (an en dash, a Cyrillic `a`) in strings and docstrings.
+
+    With `docstring=True`, a triple-quoted literal; one longer than the project's line length
+    is continued over lines ending in a backslash, which adds no character to the value, and a
+    space at either end is escaped, which ruff's formatter would otherwise strip.
+    """
+    text = str(value)
+    if not docstring:
+        quote = "'" if text.count('"') > text.count("'") else '"'
+        return _quoted(text, quote, _not_printable_ascii)
+    body = _quoted(text, '"', _not_printable_ascii)[1:-1]
+    # ruff's formatter strips whitespace at either end of a docstring; an escape keeps it.
+    body = re.sub(r"^ | $", r"\\x20", body)
+    return '"""' + _wrap(body, PYTHON_LINE_LENGTH - len('""""""')) + '"""'
+
+
+def _wrap(body: str, width: int) -> str:
+    """Break `body` after spaces into lines of at most `width` characters, the line-continuation
+    backslash that ends all but the last included; a word longer than a line stays whole."""
+    lines = [""]
+    for word in re.findall(r"[^ ]* *", body)[:-1]:
+        if lines[-1] and len(lines[-1]) + len(word) + len("\\") > width:
+            lines.append("")
+        lines[-1] += word
+    return "\\\n".join(lines)
+
+
+def shell_quote(value: object) -> str:
+    """One shell word: the value as it is when it holds no special character, else in single
+    quotes, so that `$(...)`, backticks, globs and spaces are plain text."""
+    return shlex.quote(str(value))
+
+
+def json_value(value: object) -> str:
+    """A JSON value; non-ASCII text stays readable (`"Zoë"`, not `"Zo\\u00eb"`)."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+#: Filter name in templates -> function.
+FILTERS: dict[str, Callable[..., str]] = {
+    "toml_string": toml_string,
+    "toml_key": toml_key,
+    "yaml_string": yaml_string,
+    "python_string": python_string,
+    "shell_quote": shell_quote,
+    "json_value": json_value,
+    "project_dir": project_dir,
+}
+
+
+class FormatFilters(Extension):
+    """Registers `FILTERS`, and `template_dir` for the hooks, in cookiecutter's Jinja
+    environment."""
+
+    def __init__(self, environment: Environment) -> None:
+        super().__init__(environment)
+        environment.filters.update(FILTERS)
+        environment.globals["template_dir"] = str(TEMPLATE_DIR)
