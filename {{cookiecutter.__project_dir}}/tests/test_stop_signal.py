@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -138,6 +139,49 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step_and_loses_nothin
         assert result["newest_checkpoint"] == expected
         assert result["resumed_at"] == stop_step
         assert result["finished_at"] == TOTAL_STEPS
+        for name, tensor in unbroken_weights.items():
+            assert torch.equal(result["weights"][name], tensor), name
+
+
+def _sigterm_on_rank_1_after(rank: int, world_size: int, workdir: Path, delay: float) -> dict:
+    """SIGTERM from a timer started as training starts: it lands wherever rank 1 happens to be
+    (a step, a save, an evaluation, the agreement itself, or after the last step)."""
+    config = load_config(None, _overrides(workdir / "run"))
+    env = env_for(rank, world_size)
+    stop = StopRequests()
+    with stop.installed():
+        first = make_trainer(config, env, stop=stop)
+        timer = threading.Timer(delay, _signal_self, (signal.SIGTERM,))
+        if rank == 1:
+            timer.start()
+        status = first.fit()
+        timer.cancel()
+        timer.join() if timer.is_alive() else None
+    newest = latest_checkpoint(first.run_dir)
+    second = make_trainer(config, env)
+    second.resume()
+    second.fit()
+    return {
+        "status": status,
+        "stopped_at": first.step,
+        "newest_checkpoint": newest.name if newest else None,
+        "weights": _weights(second),
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.1, 0.2, 0.4])
+def test_sigterm_at_any_moment_stops_both_ranks_together_and_loses_no_step(
+    tmp_path: Path, unbroken_weights: dict[str, torch.Tensor], delay: float
+) -> None:
+    results = spawn(2, _sigterm_on_rank_1_after, tmp_path, delay, workdir=tmp_path)
+    assert results[0]["status"] == results[1]["status"]
+    assert results[0]["stopped_at"] == results[1]["stopped_at"]
+    for result in results:
+        if result["status"] == EXIT_RESUMABLE and result["stopped_at"] > 0:
+            assert result["newest_checkpoint"] == f"step_{result['stopped_at']:08d}"
+        else:  # the signal came before the first step or after the last one
+            assert result["stopped_at"] in (0, TOTAL_STEPS)
         for name, tensor in unbroken_weights.items():
             assert torch.equal(result["weights"][name], tensor), name
 
