@@ -1,3 +1,3 @@
-"""{{ cookiecutter.description | replace('\\', '\\\\') | replace('"', '\\"') }}"""
+{{ cookiecutter.description | python_string(docstring=True) }}
 
 __version__ = "0.1.0"

@@ -73,7 +73,7 @@ class TrainConfig:
     micro_batch_size: int = 32
     epochs: int = 3
     max_steps: int = -1
-    mixed_precision: Literal["bf16", "fp16", "none"] = "{{ cookiecutter.mixed_precision }}"
+    mixed_precision: Literal["bf16", "fp16", "none"] = {{ cookiecutter.mixed_precision | python_string }}
     eval_every: int = 50
     log_every: int = 10
 
@@ -124,7 +124,7 @@ class TrackerConfig:
 
     enabled: bool = True
 {%- if cookiecutter.tracker in ["wandb", "mlflow"] %}
-    project: str = "{{ cookiecutter.project_slug }}"
+    project: str = {{ cookiecutter.project_slug | python_string }}
 {%- endif %}
 {%- if cookiecutter.tracker == "mlflow" %}
     tracking_uri: str = ""

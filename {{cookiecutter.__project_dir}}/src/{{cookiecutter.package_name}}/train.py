@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="{{ cookiecutter.project_slug }}-train",
+        prog={{ (cookiecutter.project_slug ~ "-train") | python_string }},
         description="Train with DistributedDataParallel (single process, torchrun or Slurm).",
         epilog="Overrides: section.key=value, e.g. train.max_steps=100 run.dir=runs/exp1",
     )
