@@ -1,0 +1,136 @@
+"""torchrun --max-restarts: a rank that fails mid-run is restarted with the others, the job
+resumes from the last checkpoint and ends exactly where an unbroken run ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from {{ cookiecutter.package_name }}.checkpoint import latest_checkpoint, load_checkpoint
+
+from .helpers import FAST, run_torchrun
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+TOTAL_STEPS = 12
+CHECKPOINT_STEP = 4  # FAST saves every 4 steps
+FAIL_IN_STEP = 6  # after the checkpoint at step 4: the restart resumes from there, step 5 is redone
+#: A restart is a new start-up of every rank; one that neither trains nor fails by then hangs.
+LAUNCH_TIMEOUT_S = 120
+
+#: The training entry point with one fault: rank 1 fails in optimizer step FAIL_IN_STEP of the
+#: first attempt (torchrun numbers the attempts in TORCHELASTIC_RESTART_COUNT).
+FAILING_ENTRY = """
+import os
+import signal
+import sys
+
+from {{ cookiecutter.package_name }} import train
+from {{ cookiecutter.package_name }}.trainer import Trainer
+
+train_step = Trainer.train_step
+
+
+def failing_train_step(self, batches):
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+    if first_attempt and self.env.rank == 1 and self.step + 1 == {step}:
+        print("rank 1 fails in step {step}", file=sys.stderr, flush=True)
+        {failure}
+    return train_step(self, batches)
+
+
+Trainer.train_step = failing_train_step
+sys.exit(train.main())
+"""
+
+FAILURES = {
+    # Unwinds through the process group's teardown and exits non-zero.
+    "exception": 'raise RuntimeError("rank 1 failed")',
+    # No teardown at all, as when the out-of-memory killer ends a rank.
+    "killed": "os.kill(os.getpid(), signal.SIGKILL)",
+}
+
+
+def _overrides(run_dir: Path) -> list[str]:
+    return [*FAST, f"run.dir={run_dir}", f"train.max_steps={TOTAL_STEPS}"]
+
+
+def _torchrun_with_one_restart(entry: Path, overrides: list[str]) -> tuple[int, str]:
+    """Run `entry` on 2 ranks under `torchrun --standalone --max-restarts=1`: (status, stderr).
+
+    torchrun and its ranks get a session of their own, so that a launch that hangs is killed
+    whole, ranks included, and fails the test instead of leaving processes behind.
+    """
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        str(entry),
+        *overrides,
+    ]
+    process = subprocess.Popen(
+        command,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = process.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        _, stderr = process.communicate()
+        pytest.fail(
+            f"the job with a restart neither finished nor failed within {LAUNCH_TIMEOUT_S} s; "
+            f"its log ends with:\n{stderr[-6000:]}"
+        )
+    return process.returncode, stderr
+
+
+def _final_state(run_dir: Path) -> dict:
+    newest = latest_checkpoint(run_dir)
+    assert newest is not None, f"no checkpoint in {run_dir}"
+    return load_checkpoint(newest, rank=0, world_size=2).state
+
+
+@pytest.fixture(scope="module")
+def unbroken_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The final state of the same training without a failure."""
+    run_dir = tmp_path_factory.mktemp("unbroken") / "run"
+    result = run_torchrun(2, _overrides(run_dir))
+    assert result.returncode == 0, result.stderr[-6000:]
+    return _final_state(run_dir)
+
+
+@pytest.mark.parametrize("failure", sorted(FAILURES))
+def test_a_rank_failing_after_a_checkpoint_is_restarted_and_ends_like_an_unbroken_run(
+    failure: str, unbroken_run: dict, tmp_path: Path
+) -> None:
+    entry = tmp_path / "failing_train.py"
+    entry.write_text(FAILING_ENTRY.format(step=FAIL_IN_STEP, failure=FAILURES[failure]))
+    run_dir = tmp_path / "run"
+
+    status, stderr = _torchrun_with_one_restart(entry, _overrides(run_dir))
+
+    assert status == 0, stderr[-6000:]
+    assert f"rank 1 fails in step {FAIL_IN_STEP}" in stderr
+    assert "resumed from" in stderr and f"at step {CHECKPOINT_STEP}" in stderr, stderr[-6000:]
+    state = _final_state(run_dir)
+    assert latest_checkpoint(run_dir).name == f"step_{TOTAL_STEPS:08d}"
+    assert state["step"] == TOTAL_STEPS
+    expected = unbroken_run["model"]
+    assert state["model"].keys() == expected.keys()
+    differing = [
+        name for name, tensor in expected.items() if not torch.equal(state["model"][name], tensor)
+    ]
+    assert not differing, f"weights differ from the unbroken run's: {differing}"
