@@ -54,7 +54,12 @@ def wait_until(condition: object, timeout: float, what: str) -> None:
 
 @dataclass
 class SlurmCluster:
-    """A running one-node cluster; `env` points Slurm's commands at it."""
+    """A running one-node cluster; `env` points Slurm's commands at it.
+
+    Partitions: `debug` (the default) and `requeue` hold the jobs under test; a job in `urgent`
+    preempts them, which cancels a job in `debug` (PreemptMode=CANCEL: TERM to every process,
+    KILL after KillWait) and makes Slurm requeue one in `requeue` (PreemptMode=REQUEUE).
+    """
 
     root: Path
     env: dict[str, str]
@@ -118,8 +123,12 @@ MpiDefault=none
 ReturnToService=2
 JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
+PreemptType=preempt/partition_prio
+PreemptMode=CANCEL
 NodeName={host} CPUs={os.cpu_count()} State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1
+PartitionName=requeue Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE
+PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2
 """
     )
     env = {**os.environ, "SLURM_CONF": str(conf)}

@@ -21,7 +21,7 @@ from subprocess import CompletedProcess
 
 import pytest
 from cookiecutter.main import cookiecutter
-from engines import SlurmCluster, free_port, slurm_cluster, two_hosts, wait_until
+from engines import SlurmCluster, slurm_cluster, two_hosts, wait_until
 from matrix import ROOT
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -113,6 +113,38 @@ DRY_RUNS = {
         {**SLURM_JOB, "SLURM_GPUS_ON_NODE": "8", "CONTAINER": "train.sif"},
         "slurm",
     ),
+    # The rendezvous port follows the job id, so that jobs sharing a node do not collide; an
+    # exported MASTER_PORT wins.
+    "sbatch-next-job": (
+        "launch/slurm/train.sbatch",
+        {**SLURM_JOB, "SLURM_JOB_ID": "4243", "SLURM_GPUS_ON_NODE": "8"},
+        "slurm",
+    ),
+    "sbatch-task-per-gpu-next-job": (
+        "launch/slurm/train.sbatch",
+        {
+            **SLURM_JOB,
+            "SLURM_JOB_ID": "4243",
+            "SLURM_GPUS_ON_NODE": "8",
+            "SLURM_NTASKS_PER_NODE": "8",
+        },
+        "slurm",
+    ),
+    "sbatch-master-port": (
+        "launch/slurm/train.sbatch",
+        {**SLURM_JOB, "SLURM_GPUS_ON_NODE": "8", "MASTER_PORT": "31000"},
+        "slurm",
+    ),
+    "sbatch-task-per-gpu-master-port": (
+        "launch/slurm/train.sbatch",
+        {
+            **SLURM_JOB,
+            "SLURM_GPUS_ON_NODE": "8",
+            "SLURM_NTASKS_PER_NODE": "8",
+            "MASTER_PORT": "31000",
+        },
+        "slurm",
+    ),
 }
 
 
@@ -128,9 +160,82 @@ def test_dry_run_prints_the_exact_command(project: Path, fake_bin: Path, case: s
     assert command == golden.read_text()
 
 
+def rendezvous_port(command: str) -> int:
+    """The port of a batch script's dry run: its c10d endpoint, or MASTER_PORT without torchrun."""
+    found = re.search(r"--rdzv-endpoint=node01:(\d+) |MASTER_PORT=(\d+) ", command)
+    assert found, command
+    return int(found.group(1) or found.group(2))
+
+
+@pytest.mark.parametrize("tasks_per_node", ["1", "8"], ids=["torchrun", "task-per-gpu"])
+def test_sbatch_port_follows_the_job_id_unless_exported(
+    project: Path, fake_bin: Path, tasks_per_node: str
+) -> None:
+    """Two jobs on one node must not meet on the same port: the default is 20000 + job id % 10000
+    (below Linux's ephemeral ports); an exported MASTER_PORT is used as given."""
+    env = {**SLURM_JOB, "SLURM_GPUS_ON_NODE": "8", "SLURM_NTASKS_PER_NODE": tasks_per_node}
+    script = "launch/slurm/train.sbatch"
+    path = [fake_bin / "slurm"]
+    ports = {
+        job_id: rendezvous_port(dry_run(project, script, {**env, "SLURM_JOB_ID": job_id}, path))
+        for job_id in ("4242", "4243", "123456")
+    }
+    assert ports == {"4242": 24242, "4243": 24243, "123456": 23456}
+    exported = dry_run(project, script, {**env, "MASTER_PORT": "31000"}, path)
+    assert rendezvous_port(exported) == 31000
+
+
+#: Every setting the launchers read as a number, with the other settings it needs.
+NUMERIC_SETTINGS = [
+    ("launch/slurm/train.sbatch", "SLURM_JOB_ID", SLURM_JOB),
+    ("launch/slurm/train.sbatch", "SLURM_JOB_NUM_NODES", SLURM_JOB),
+    ("launch/slurm/train.sbatch", "SLURM_GPUS_ON_NODE", SLURM_JOB),
+    ("launch/slurm/train.sbatch", "SLURM_NTASKS_PER_NODE", SLURM_JOB),
+    ("launch/slurm/train.sbatch", "MASTER_PORT", SLURM_JOB),
+    ("launch/slurm/train.sbatch", "NPROC_PER_NODE", SLURM_JOB),
+    ("launch/torchrun.sh", "NNODES", {"RDZV_ENDPOINT": "node01:29400"}),
+    ("launch/torchrun.sh", "NPROC_PER_NODE", {}),
+    ("launch/torchrun.sh", "MAX_RESTARTS", {}),
+]
+
+
+@pytest.mark.parametrize(
+    ("script", "name", "env"),
+    NUMERIC_SETTINGS,
+    ids=[f"{Path(script).name}-{name}" for script, name, _ in NUMERIC_SETTINGS],
+)
+def test_hostile_numbers_are_refused_without_running_them(
+    project: Path, fake_bin: Path, tmp_path: Path, script: str, name: str, env: dict[str, str]
+) -> None:
+    """Bash arithmetic runs command substitutions inside array subscripts: `(( v > 0 ))` or
+    `[[ v -gt 0 ]]` with v='a[$(cmd)]' runs cmd. The launchers check such settings as plain
+    digits first and stop with a clear message."""
+    marker = tmp_path / "ran"
+    hostile = f"a[$(touch {marker})]"
+    result = launch(project, script, {**env, name: hostile, "DRY_RUN": "1"}, [fake_bin / "slurm"])
+    assert not marker.exists(), f"{name} ran a command"
+    assert result.returncode == 2, result.stderr
+    assert f"{name} must be a" in result.stderr
+    assert hostile in result.stderr
+    assert result.stdout == ""
+
+
+def test_hostile_cuda_visible_devices_is_only_counted(
+    project: Path, fake_bin: Path, tmp_path: Path
+) -> None:
+    """torchrun.sh counts the entries of CUDA_VISIBLE_DEVICES as text, never as arithmetic."""
+    marker = tmp_path / "ran"
+    env = {"CUDA_VISIBLE_DEVICES": f"a[$(touch {marker})]"}
+    command = dry_run(project, "launch/torchrun.sh", env, [fake_bin / "gpus"])
+    assert not marker.exists()
+    assert "--nproc-per-node=1 " in command
+
+
 @pytest.mark.parametrize(
     ("script", "env", "message"),
     [
+        ("launch/slurm/train.sbatch", {}, "not inside a Slurm job: submit this script with sbatch"),
+        ("launch/slurm/train.sbatch", {**SLURM_JOB, "MASTER_PORT": "70000"}, "must be a port"),
         ("launch/torchrun.sh", {"NNODES": "2"}, "NNODES=2 needs RDZV_ENDPOINT=HOST:PORT"),
         ("launch/torchrun.sh", {"NNODES": "2", "RDZV_ENDPOINT": "node01"}, "must be HOST:PORT"),
         ("launch/torchrun.sh", {"NPROC_PER_NODE": "all"}, "NPROC_PER_NODE must be a positive"),
@@ -227,28 +332,80 @@ def test_usr1_stops_a_torchrun_run_after_one_step_with_a_checkpoint(
     """USR1 to every process of a torchrun.sh run, as the README's `pkill -USR1 -f` sends it
     (torchrun included, which ignores it): both ranks stop after the same step, save a
     checkpoint there and exit 0."""
+    launch, run_dir, log = start_torchrun_run(project, tmp_path)
+    # Every process of this run, and no other, has its run directory on the command line.
+    subprocess.run(["pkill", "-USR1", "-f", f"run.dir={run_dir}"], check=True)
+    [code] = wait_for_all([launch], timeout=120)
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    stopped = re.search(r"stopped at step (\d+) of \d+ on a stop request", text)
+    assert stopped, text[-3000:]
+    assert final_checkpoint(run_dir)["step"] == int(stopped.group(1))
+
+
+def wait_for_first_checkpoint(run_dir: Path) -> None:
+    """Until the run has saved a checkpoint: the training is running, its signal handlers set."""
+    checkpoints = run_dir / "checkpoints"
+    wait_until(lambda: any(checkpoints.glob("step_*/COMPLETE")), 120, "a first checkpoint")
+
+
+def start_torchrun_run(project: Path, tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
+    """A LONG_RUN of 2 processes under launch/torchrun.sh, once its first checkpoint is written:
+    (launcher, run dir, log)."""
     run_dir = tmp_path / "run"
-    overrides = [*LONG_RUN, f"run.dir={run_dir}"]
     log = tmp_path / "torchrun.log"
     with log.open("w") as output:
-        launch = subprocess.Popen(
-            ["bash", "launch/torchrun.sh", *overrides],
+        launcher = subprocess.Popen(
+            ["bash", "launch/torchrun.sh", *LONG_RUN, f"run.dir={run_dir}"],
             cwd=project,
             env=project_env(project, NPROC_PER_NODE="2"),
             stdout=output,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    checkpoints = run_dir / "checkpoints"
-    wait_until(lambda: any(checkpoints.glob("step_*/COMPLETE")), 120, "a first checkpoint")
-    # Every process of this run, and no other, has its run directory on the command line.
-    subprocess.run(["pkill", "-USR1", "-f", f"run.dir={run_dir}"], check=True)
-    [code] = wait_for_all([launch], timeout=120)
+    wait_for_first_checkpoint(run_dir)
+    return launcher, run_dir, log
+
+
+#: Who gets SIGTERM, and the exit status of launch/torchrun.sh then.
+TERM_TARGETS = {
+    # The script, as `kill PID`, `docker stop` or a process manager signal it: it passes the
+    # signal on to torchrun and reports the training's 75.
+    "launcher": 75,
+    # Every process of the run, as Slurm signals a job step: torchrun and the workers get it
+    # twice (directly, and passed on), which changes nothing.
+    "every-process": 75,
+    # torchrun alone: it passes the signal on to its workers and exits 1 whatever they did; the
+    # script, not signalled, cannot know better.
+    "torchrun": 1,
+}
+
+
+@pytest.mark.parametrize("target", TERM_TARGETS)
+def test_sigterm_stops_a_torchrun_run_with_a_checkpoint(
+    project: Path, tmp_path: Path, target: str
+) -> None:
+    """SIGTERM: both ranks stop after the same step and save a checkpoint there, every rank's
+    part of it, and launch/torchrun.sh exits with the status its header documents."""
+    launcher, run_dir, log = start_torchrun_run(project, tmp_path)
+    if target == "launcher":
+        os.kill(launcher.pid, signal.SIGTERM)
+    elif target == "every-process":
+        # Every process of this run, and no other, has its run directory on the command line.
+        subprocess.run(["pkill", "-TERM", "-f", f"run.dir={run_dir}"], check=True)
+    else:
+        torchrun = subprocess.run(
+            ["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True, check=True
+        )
+        os.kill(int(torchrun.stdout.split()[0]), signal.SIGTERM)
+    [code] = wait_for_all([launcher], timeout=120)
     text = log.read_text()
-    assert code == 0, text[-3000:]
-    stopped = re.search(r"stopped at step (\d+) of \d+ on SIGUSR1", text)
+    assert code == TERM_TARGETS[target], text[-3000:]
+    stopped = re.search(r"stopped at step (\d+) of 3000 on SIGTERM", text)
     assert stopped, text[-3000:]
-    assert final_checkpoint(run_dir)["step"] == int(stopped.group(1))
+    marker = final_checkpoint(run_dir)
+    assert marker["step"] == int(stopped.group(1))
+    assert sorted(marker["files"]) == ["rank_00000.pt", "rank_00001.pt", "state.pt"]
 
 
 def wait_for_all(processes: list[subprocess.Popen], timeout: float) -> list[int | None]:
@@ -274,8 +431,14 @@ FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 
 
 def sbatch(slurm: SlurmCluster, project: Path, flags: list[str], overrides: list[str]) -> str:
-    """Submit the project's batch script from its root as a user does; return the job id."""
-    env = project_env(project, MASTER_PORT=str(free_port()), SLURM_CONF=slurm.env["SLURM_CONF"])
+    """Submit the project's batch script from its root as a user does; return the job id.
+
+    The job meets on its default port, derived from its id."""
+    env = {
+        key: value
+        for key, value in project_env(project, SLURM_CONF=slurm.env["SLURM_CONF"]).items()
+        if key != "MASTER_PORT"
+    }
     command = ["sbatch", "--parsable", *flags, "launch/slurm/train.sbatch", *overrides]
     result = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
@@ -337,24 +500,122 @@ def test_usr1_before_the_time_limit_checkpoints_requeues_and_resumes(
     itself, and the next run resumes from exactly that step and finishes the training."""
     run_dir = tmp_path / "run"
     job_id = sbatch(slurm, project, flags, [f"run.dir={run_dir}", *LONG_RUN])
-    checkpoints = run_dir / "checkpoints"
-    # A first checkpoint means the training is running, with its signal handler in place.
-    wait_until(lambda: any(checkpoints.glob("step_*/COMPLETE")), 120, "a first checkpoint")
+    wait_for_first_checkpoint(run_dir)
     slurm.run("scancel", "--signal=USR1", "--batch", job_id)
-    # A requeued job waits two minutes before it may start again; once it is back in the queue
-    # (an earlier update would be lost while it is still completing), let it start now. Not in
-    # the second of the requeue, though: slurmd would refuse the new launch credential as
-    # revoked (it compares whole seconds).
-    wait_until(lambda: slurm.job(job_id).get("Reason") == "BeginTime", 60, "the requeue")
-    time.sleep(2)
-    slurm.run("scontrol", "update", f"jobid={job_id}", "starttime=now")
+    let_requeued_job_start(slurm, job_id)
     output = completed_job_output(slurm, project, job_id)
     assert slurm.job(job_id)["Restarts"] == "1", output
     assert "USR1: asking the training to save a checkpoint and stop" in output
     assert f"requeueing job {job_id} (training exited with 0)" in output
-    stopped = re.search(r"stopped at step (\d+) of \d+ on SIGUSR1", output)
+    assert_resumed_where_it_stopped(output, run_dir, "a stop request")
+
+
+def assert_resumed_where_it_stopped(output: str, run_dir: Path, reason: str) -> None:
+    """The job's first run stopped mid-training with `reason`, the next one resumed from exactly
+    that step and finished."""
+    stopped = re.search(rf"stopped at step (\d+) of 3000 on {re.escape(reason)}", output)
     resumed = re.search(r"resumed from \S+ at step (\d+)", output)
     assert stopped and resumed, output
     assert resumed.group(1) == stopped.group(1)
     assert 0 < int(stopped.group(1)) < 3000
     assert final_checkpoint(run_dir)["step"] == 3000
+
+
+def let_requeued_job_start(slurm: SlurmCluster, job_id: str) -> None:
+    """A requeued job waits two minutes before it may start again; once it is back in the queue
+    (an earlier update would be lost while it is still completing), let it start now. Not in the
+    second of the requeue, though: slurmd would refuse the new launch credential as revoked (it
+    compares whole seconds)."""
+    wait_until(lambda: slurm.job(job_id).get("Reason") == "BeginTime", 60, "the requeue")
+    time.sleep(2)
+    slurm.run("scontrol", "update", f"jobid={job_id}", "starttime=now")
+
+
+#: Preemption cases: (flags, partition of the training job, who requeues it)
+PREEMPTIONS = {
+    "torchrun-cancel": (CPU_FLAGS, "debug", "the script"),
+    "task-per-process-cancel": (TASK_PER_PROCESS_FLAGS, "debug", "the script"),
+    "torchrun-requeue": (CPU_FLAGS, "requeue", "Slurm"),
+}
+
+
+@pytest.mark.parametrize("case", PREEMPTIONS)
+def test_preemption_checkpoints_requeues_and_resumes(
+    slurm: SlurmCluster, project: Path, tmp_path: Path, case: str
+) -> None:
+    """A job in a partition of higher priority needs the whole node: Slurm preempts the training
+    job with TERM to every process of it (KILL after KillWait). The training stops after one
+    step with a checkpoint; the job is requeued, by the batch script where Slurm cancels
+    preempted jobs (PreemptMode=CANCEL), by Slurm alone where it requeues them (REQUEUE), and
+    the next run resumes from exactly that step and finishes."""
+    flags, partition, requeuer = PREEMPTIONS[case]
+    run_dir = tmp_path / "run"
+    overrides = [f"run.dir={run_dir}", *LONG_RUN]
+    job_id = sbatch(slurm, project, [*flags, f"--partition={partition}"], overrides)
+    wait_for_first_checkpoint(run_dir)
+    urgent = ["--partition=urgent", "--exclusive", "--output=/dev/null", "--wrap=true"]
+    urgent_id = slurm.run("sbatch", "--parsable", *urgent).stdout.strip()
+    let_requeued_job_start(slurm, job_id)
+    output = completed_job_output(slurm, project, job_id)
+    assert wait_for_job(slurm, urgent_id)["JobState"] == "COMPLETED"
+    assert slurm.job(job_id)["Restarts"] == "1", output
+    assert "DUE TO PREEMPTION" in output
+    assert "TERM: the training saves a checkpoint and stops" in output
+    if requeuer == "Slurm":
+        assert f"job {job_id} is requeued by Slurm (training exited with 75)" in output
+    else:
+        assert f"requeueing job {job_id} (training exited with 75)" in output
+    assert_resumed_where_it_stopped(output, run_dir, "SIGTERM")
+
+
+#: SIGTERM sent by hand to a running job: (scancel flags, batch script flags)
+TERM_BY_HAND = {
+    # To the batch script alone, as --signal=B:TERM@<seconds> sends it before a time limit: the
+    # script passes it on to the training.
+    "batch-script": (["--batch"], TASK_PER_PROCESS_FLAGS),
+    # To the job's steps: torchrun exits 1, and its task reports the training's 75.
+    "steps": ([], CPU_FLAGS),
+}
+
+
+@pytest.mark.parametrize("case", TERM_BY_HAND)
+def test_term_by_hand_checkpoints_requeues_and_resumes(
+    slurm: SlurmCluster, project: Path, tmp_path: Path, case: str
+) -> None:
+    """`scancel --signal=TERM` while the job runs: the training stops with a checkpoint, the
+    job requeues itself and resumes from exactly that step."""
+    scancel_flags, flags = TERM_BY_HAND[case]
+    run_dir = tmp_path / "run"
+    job_id = sbatch(slurm, project, flags, [f"run.dir={run_dir}", *LONG_RUN])
+    wait_for_first_checkpoint(run_dir)
+    slurm.run("scancel", "--signal=TERM", *scancel_flags, job_id)
+    let_requeued_job_start(slurm, job_id)
+    output = completed_job_output(slurm, project, job_id)
+    assert slurm.job(job_id)["Restarts"] == "1", output
+    assert f"requeueing job {job_id} (training exited with 75)" in output
+    assert_resumed_where_it_stopped(output, run_dir, "SIGTERM")
+
+
+@pytest.mark.parametrize(
+    "flags", [CPU_FLAGS, TASK_PER_PROCESS_FLAGS], ids=["torchrun", "task-per-process"]
+)
+def test_scancel_stops_with_a_checkpoint_and_never_requeues(
+    slurm: SlurmCluster, project: Path, tmp_path: Path, flags: list[str]
+) -> None:
+    """A plain `scancel` sends TERM like a preemption, but the user wants the job gone: the
+    training stops with a checkpoint at its step, and the job stays CANCELLED (scontrol requeue
+    would revive even a cancelled job, so the script must not call it)."""
+    run_dir = tmp_path / "run"
+    job_id = sbatch(slurm, project, flags, [f"run.dir={run_dir}", *LONG_RUN])
+    wait_for_first_checkpoint(run_dir)
+    slurm.run("scancel", job_id)
+    # Done once it is neither running nor completing: a requeued job would be PENDING.
+    ended = ("RUNNING", "COMPLETING")
+    wait_until(lambda: slurm.job(job_id)["JobState"] not in ended, 120, f"job {job_id} to end")
+    job = slurm.job(job_id)
+    output = job_output(project, job_id)
+    assert (job["JobState"], job["Restarts"]) == ("CANCELLED", "0"), output + slurm.logs()
+    assert f"job {job_id} was cancelled: not requeued (training exited with 75)" in output
+    stopped = re.search(r"stopped at step (\d+) of 3000 on SIGTERM", output)
+    assert stopped, output
+    assert final_checkpoint(run_dir)["step"] == int(stopped.group(1))

@@ -27,8 +27,17 @@
 #   DRY_RUN=1       print the torchrun command (one line, shell-quoted) instead of running it;
 #                   the same as --dry-run as the first argument
 #
-# To stop a run cleanly with a checkpoint, send USR1 to all its processes, e.g.
+# Stopping: SIGTERM to this script (kill PID, docker stop, Kubernetes) is passed on to torchrun,
+# which passes it on to the training processes: every rank finishes the same step, saves a
+# checkpoint and exits with 75; torchrun then exits 1 whatever its workers did, and this script
+# exits 75. To stop without that status, send USR1 or USR2 to all processes of the run, e.g.
 #   pkill -USR1 -f {{ cookiecutter.package_name }}.train
+# (torchrun and its workers start with USR1 and USR2 ignored; the training sets its handlers).
+# A worker that exits 75 on its own (SIGTERM to it alone) is restarted by torchrun when
+# MAX_RESTARTS allows, and resumes from that checkpoint.
+#
+# Exit status: 0 finished, or stopped on USR1/USR2; 75 stopped on SIGTERM with a checkpoint at
+# the current step: launch the same command again to resume; 2 a bad setting; other failed.
 #
 # Two machines, 8 GPUs each: on both, with the same run directory on a shared file system,
 #   NNODES=2 RDZV_ENDPOINT=node01:29500 RDZV_ID=exp1 launch/torchrun.sh run.dir=/shared/runs/exp1
@@ -52,7 +61,8 @@ gpu_count() {
     if command -v nvidia-smi >/dev/null 2>&1; then
         listed="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)"
     fi
-    if [[ "${listed:-0}" -gt 0 && -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
+    # Compared as text, not with -gt: [[ -gt ]] evaluates its operands as arithmetic.
+    if [[ "$listed" =~ ^[1-9][0-9]*$ && -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
         listed="$(awk -F, '{ print NF }' <<<"$CUDA_VISIBLE_DEVICES")"
     fi
     echo "${listed:-0}"
@@ -65,7 +75,7 @@ CONFIG="${CONFIG:-configs/default.yaml}"
 DRY_RUN="${DRY_RUN:-0}"
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
     gpus="$(gpu_count)"
-    if [[ "$gpus" -gt 0 ]]; then
+    if [[ "$gpus" =~ ^[1-9][0-9]*$ ]]; then
         NPROC_PER_NODE="$gpus"
     else
         NPROC_PER_NODE=2
@@ -110,8 +120,37 @@ if [[ "$DRY_RUN" == 1 ]]; then
     printf '\n'
     exit 0
 fi
-# torchrun and its workers start with USR1 ignored (an ignored signal stays ignored across exec
-# and in child processes): torchrun would die of it, and the training sets its own handler
-# (checkpoint.stop_on_sigusr1) once it is ready.
-trap '' USR1
-exec "${command[@]}"
+# torchrun and its workers start with USR1 and USR2 ignored (an ignored signal stays ignored
+# across exec and in child processes): torchrun would die of them, and the training sets its own
+# handlers (checkpoint.stop_on_signals) once it is ready.
+trap '' USR1 USR2
+# SIGTERM is passed on to torchrun; SIGINT (Ctrl-C) reaches it from the terminal by itself, and
+# this script waits for it to finish either way.
+torchrun_pid=""
+term_received=0
+# shellcheck disable=SC2329  # called by the trap
+on_term() {
+    term_received=1
+    if [[ -n "$torchrun_pid" ]]; then
+        kill -TERM "$torchrun_pid" 2>/dev/null || true
+    fi
+}
+trap on_term TERM
+trap '' INT
+# torchrun runs in the background so that this script takes SIGTERM at once, with SIGINT and
+# SIGQUIT at their defaults (bash ignores them in background commands).
+(
+    trap - INT QUIT
+    exec "${command[@]}"
+) &
+torchrun_pid=$!
+# A signal ends `wait` early: keep waiting until torchrun has really ended.
+status=0
+while wait "$torchrun_pid" || status=$?; kill -0 "$torchrun_pid" 2>/dev/null; do
+    status=0
+done
+# torchrun exits 1 after SIGTERM, whatever its workers did: report the training's 75.
+if ((term_received && status == 1)); then
+    exit 75
+fi
+exit "$status"
