@@ -49,10 +49,12 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
         "tests/helpers.py",
     }
     tests = ["amp", "checkpoint", "config", "data", "distributed", "distributed_env", "gpu"]
-    tests += ["gradients", "ranks", "resume", "sharding", "stop_signal", "trainer"]
+    tests += ["gradients", "ranks", "restart", "resume", "resume_checks", "sharding"]
+    tests += ["stop_signal", "trainer"]
     files |= {f"tests/test_{name}.py" for name in tests}
-    modules = ["checkpoint", "config", "data", "distributed", "logs", "metrics", "task", "train"]
-    files |= {f"src/{package}/{name}.py" for name in [*modules, "trainer", "__init__"]}
+    modules = ["checkpoint", "config", "data", "distributed", "logs", "metrics", "resume"]
+    modules += ["stopping", "task", "train", "trainer", "__init__"]
+    files |= {f"src/{package}/{name}.py" for name in modules}
     if combo["use_slurm"]:
         files.add("launch/slurm/train.sbatch")
     if combo["use_docker"]:

@@ -6,12 +6,14 @@ import gc
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -43,21 +45,52 @@ FAST = [
 
 
 def run_torchrun(
-    nproc: int, overrides: list[str], timeout: float = 180
+    nproc: int,
+    overrides: list[str],
+    timeout: float = 180,
+    entry: Path | None = None,
+    max_restarts: int = 0,
 ) -> subprocess.CompletedProcess[str]:
-    """Train under `torchrun --standalone`: it picks a free port, so parallel tests never clash."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    """Train under `torchrun --standalone`: it picks a free port, so parallel tests never clash.
+
+    `entry` runs a script instead of the package's entry point (tests inject faults with one).
+    The output goes to files, not pipes: the ranks run in sessions of their own and would keep a
+    pipe open after torchrun. A launch that hangs gets SIGTERM, on which torchrun ends its ranks
+    (SIGKILL after its grace period), and fails the test with the end of its log.
+    """
+    target = [str(entry)] if entry else ["-m", "{{ cookiecutter.package_name }}.train"]
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={nproc}",
-        "-m",
-        "{{ cookiecutter.package_name }}.train",
+        f"--max-restarts={max_restarts}",
+        *target,
         *overrides,
     ]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        process = subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr, text=True)
+        try:
+            process.wait(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            process.terminate()
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        stdout.seek(0)
+        stderr.seek(0)
+        result = subprocess.CompletedProcess(
+            command, process.returncode, stdout.read(), stderr.read()
+        )
+    if timed_out:
+        pytest.fail(f"torchrun did not end within {timeout} s; log:\n{result.stderr[-6000:]}")
+    return result
 
 
 # Worker processes fork from a server that has already imported torch: much faster than a

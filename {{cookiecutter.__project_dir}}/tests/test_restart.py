@@ -3,9 +3,6 @@ resumes from the last checkpoint and ends exactly where an unbroken run ends."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +19,6 @@ CHECKPOINT_STEP = 4  # FAST saves every 4 steps
 FAIL_IN_STEP = 6  # after the checkpoint at step 4: the restart resumes from there, step 5 is redone
 #: A restart is a new start-up of every rank; one that neither trains nor fails by then hangs.
 LAUNCH_TIMEOUT_S = 120
-SHUTDOWN_TIMEOUT_S = 60  # torchrun gives its ranks 30 s to exit after SIGTERM
 
 #: The training entry point with one fault: rank 1 fails in optimizer step FAIL_IN_STEP of the
 #: first attempt (torchrun numbers the attempts in TORCHELASTIC_RESTART_COUNT).
@@ -61,47 +57,6 @@ def _overrides(run_dir: Path) -> list[str]:
     return [*FAST, f"run.dir={run_dir}", f"train.max_steps={TOTAL_STEPS}"]
 
 
-def _torchrun_with_one_restart(entry: Path, overrides: list[str], log: Path) -> tuple[int, str]:
-    """Run `entry` on 2 ranks under `torchrun --standalone --max-restarts=1`: (status, stderr).
-
-    The output goes to `log`, not to a pipe: the ranks run in sessions of their own and would
-    keep a pipe open after torchrun. A launch that hangs gets SIGTERM, on which torchrun ends its
-    ranks (SIGKILL after its grace period), and fails the test.
-    """
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "--max-restarts=1",
-        str(entry),
-        *overrides,
-    ]
-    with log.open("w") as output:
-        process = subprocess.Popen(
-            command,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        try:
-            status = process.wait(timeout=LAUNCH_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.terminate()
-            try:
-                process.wait(timeout=SHUTDOWN_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-            pytest.fail(
-                f"the job with a restart neither finished nor failed within {LAUNCH_TIMEOUT_S} s;"
-                f" its log ends with:\n{log.read_text()[-6000:]}"
-            )
-    return status, log.read_text()
-
-
 def _final_state(run_dir: Path) -> dict:
     newest = latest_checkpoint(run_dir)
     assert newest is not None, f"no checkpoint in {run_dir}"
@@ -125,9 +80,12 @@ def test_a_rank_failing_after_a_checkpoint_is_restarted_and_ends_like_an_unbroke
     entry.write_text(FAILING_ENTRY.format(step=FAIL_IN_STEP, failure=FAILURES[failure]))
     run_dir = tmp_path / "run"
 
-    status, output = _torchrun_with_one_restart(entry, _overrides(run_dir), tmp_path / "log")
+    result = run_torchrun(
+        2, _overrides(run_dir), timeout=LAUNCH_TIMEOUT_S, entry=entry, max_restarts=1
+    )
+    output = result.stderr
 
-    assert status == 0, output[-6000:]
+    assert result.returncode == 0, output[-6000:]
     assert f"rank 1 fails in step {FAIL_IN_STEP}" in output
     assert "resumed from" in output and f"at step {CHECKPOINT_STEP}" in output, output[-6000:]
     state = _final_state(run_dir)

@@ -120,12 +120,13 @@ def process_group(env: DistEnv, config: DistConfig) -> Iterator[torch.device]:
     if env.world_size > 1:
         if env.launcher == "slurm":
             _require_rendezvous_address()
+        timeout = timedelta(seconds=config.timeout_s)
         dist.init_process_group(
             backend=select_backend(device, config),
-            init_method="env://",
+            store=_rendezvous_store(env, timeout),
             rank=env.rank,
             world_size=env.world_size,
-            timeout=timedelta(seconds=config.timeout_s),
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
         start_control_group(config.barrier_timeout_s)
@@ -162,6 +163,25 @@ def destroy_process_groups() -> None:
     _control_group = None
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _rendezvous_store(env: DistEnv, timeout: timedelta) -> dist.Store:
+    """The store the ranks meet in (MASTER_ADDR:MASTER_PORT), in a namespace of this attempt.
+
+    torchrun hosts that store itself (TORCHELASTIC_USE_AGENT_STORE) and keeps it across
+    `--max-restarts` restarts, so the keys of the failed attempt's process groups (each rank's
+    address) are still there: a restarted rank that reads its peer's old address connects to a
+    dead process ("Connection refused"), or both ranks wait for each other until gloo gives up.
+    A prefix per attempt (TORCHELASTIC_RESTART_COUNT) keeps the attempts apart. The launchers also
+    set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per attempt), which holds across
+    machines whose torchruns count restarts differently.
+    """
+    store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return dist.PrefixStore(f"attempt_{attempt}/default_pg", store)
+    return dist.PrefixStore("default_pg", store)  # the namespace init_process_group would use
 
 
 def _require_rendezvous_address() -> None:
