@@ -124,6 +124,9 @@ fi
 # across exec and in child processes): torchrun would die of them, and the training sets its own
 # handlers (checkpoint.stop_on_signals) once it is ready.
 trap '' USR1 USR2
+# A fresh rendezvous store for every torchrun restart (--max-restarts): in the shared one, a
+# restarted rank could find the failed attempt's addresses and wait for ranks that are gone.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 # SIGTERM is passed on to torchrun; SIGINT (Ctrl-C) reaches it from the terminal by itself, and
 # this script waits for it to finish either way.
 torchrun_pid=""
