@@ -6,6 +6,7 @@ The task (task.py) builds the data sets; this module decides which rank sees whi
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -64,6 +65,7 @@ class ResumableDistributedSampler(DistributedSampler):
 class SampleSeededDataset(Dataset):
     """Seeds the random generators of a DataLoader worker before each sample it fetches.
 
+    Python's, torch's and (when the data code uses it) NumPy's global generators are seeded.
     Random augmentation in a worker then depends on (run seed, epoch, sample) alone: it differs
     between samples, epochs and so ranks, and a run resumed mid-epoch draws exactly what the
     unbroken run drew, whatever the number of workers. Without it every rank's workers start
@@ -74,12 +76,15 @@ class SampleSeededDataset(Dataset):
         self.dataset = dataset
 
     def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
+        return len(self.dataset)
 
     def __getitem__(self, item: tuple[int, int]) -> Any:
         index, seed = item
         random.seed(seed)
         torch.manual_seed(seed)
+        numpy = sys.modules.get("numpy")  # seeded only where the data code uses it
+        if numpy is not None:
+            numpy.random.seed(seed % 2**32)
         return self.dataset[index]
 
 

@@ -289,8 +289,8 @@ class Trainer:
 
     def _stopped(self) -> int:
         log.info(
-            "stopped at step %d of %d on %s, with a checkpoint there; launch the same command "
-            "again to continue (exit status %d)",
+            "stopped at step %d of %d on %s; launch the same command again to continue from "
+            "there (exit status %d)",
             self.step,
             self.total_steps,
             self.stop.reason,
