@@ -50,7 +50,7 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
     }
     tests = ["amp", "checkpoint", "config", "data", "distributed", "distributed_env", "gpu"]
     tests += ["gradients", "ranks", "restart", "resume", "resume_checks", "sharding"]
-    tests += ["stop_signal", "trainer"]
+    tests += ["stop_signal", "timeouts", "trainer"]
     files |= {f"tests/test_{name}.py" for name in tests}
     modules = ["checkpoint", "config", "data", "distributed", "logs", "metrics", "resume"]
     modules += ["stopping", "task", "train", "trainer", "__init__"]
