@@ -12,7 +12,7 @@ from {{ cookiecutter.package_name }}.checkpoint import latest_checkpoint, load_c
 
 from .helpers import FAST, run_torchrun
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.distributed, pytest.mark.faults, pytest.mark.timeout(300)]
 
 TOTAL_STEPS = 12
 CHECKPOINT_STEP = 4  # FAST saves every 4 steps

@@ -12,7 +12,7 @@ from {{ cookiecutter.package_name }}.checkpoint import latest_checkpoint
 
 from .helpers import FAST, run_torchrun
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.distributed, pytest.mark.faults, pytest.mark.timeout(300)]
 
 TIMEOUT_S = 4
 
