@@ -171,6 +171,17 @@ def from_dict(values: dict[str, Any]) -> Config:
     return config
 
 
+def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`section.key` -> value for a nested dict such as `Config.to_dict()`: the overrides' names."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def to_yaml(config: Config) -> str:
     """The resolved config as YAML, in declaration order."""
     return yaml.safe_dump(config.to_dict(), sort_keys=False)

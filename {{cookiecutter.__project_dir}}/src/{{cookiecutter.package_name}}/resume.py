@@ -17,7 +17,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from .checkpoint import complete_checkpoints
-from .config import OptimConfig
+from .config import OptimConfig, flatten
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def changed_settings(saved: dict[str, Any], current: dict[str, Any]) -> dict[str
 
     Settings that exist on one side only (a config written by another version) are skipped.
     """
-    old, new = _flatten(saved), _flatten(current)
+    old, new = flatten(saved), flatten(current)
     return {
         key: (old[key], new[key])
         for key in old.keys() & new.keys()
@@ -130,13 +130,3 @@ def _refusal(key: str) -> str | None:
         if key == prefix or (prefix.endswith(".") and key.startswith(prefix)):
             return reason
     return None
-
-
-def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat

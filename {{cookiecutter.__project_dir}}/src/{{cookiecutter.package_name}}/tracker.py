@@ -77,7 +77,7 @@ from pathlib import Path
 
 import mlflow
 
-from .config import Config
+from .config import Config, flatten
 
 RUN_ID_FILE = "mlflow_run_id"
 
@@ -94,7 +94,7 @@ class Tracker:
         self.run = mlflow.start_run(run_id=run_id)
         if run_id is None:
             id_file.write_text(self.run.info.run_id)
-            mlflow.log_params(_flatten(config.to_dict()))
+            mlflow.log_params(flatten(config.to_dict()))
 
     def log(self, step: int, values: dict[str, float]) -> None:
         mlflow.log_metrics(values, step=step)
@@ -102,13 +102,4 @@ class Tracker:
     def close(self) -> None:
         mlflow.end_run()
 
-
-def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
-    flat: dict[str, object] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 {%- endif %}
