@@ -31,7 +31,9 @@ TOTAL_STEPS = 12  # checkpoints every 4 steps, evaluation every 4 steps (FAST)
 
 
 def _overrides(run_dir: Path, *extra: str) -> list[str]:
-    return [*FAST, f"run.dir={run_dir}", f"train.max_steps={TOTAL_STEPS}", *extra]
+    # Checks after every step, so that the stop step is known; the cadence has its own test.
+    steps = f"train.max_steps={TOTAL_STEPS}"
+    return [*FAST, f"run.dir={run_dir}", steps, "checkpoint.stop_check_s=0", *extra]
 
 
 def _signal_self(signum: int) -> None:
@@ -71,7 +73,7 @@ def _signal_on_rank_1_then_resume(
 ) -> dict:
     config = load_config(None, _overrides(workdir / "run"))
     env = env_for(rank, world_size)
-    stop = StopRequests()
+    stop = StopRequests(check_s=0)
     with stop.installed():  # as train.main does, before anything is built
         if rank == 1 and moment == "start-up":
             _signal_self(getattr(signal, signame))
@@ -148,7 +150,7 @@ def _sigterm_on_rank_1_after(rank: int, world_size: int, workdir: Path, delay: f
     (a step, a save, an evaluation, the agreement itself, or after the last step)."""
     config = load_config(None, _overrides(workdir / "run"))
     env = env_for(rank, world_size)
-    stop = StopRequests()
+    stop = StopRequests(check_s=0)
     with stop.installed():
         first = make_trainer(config, env, stop=stop)
         timer = threading.Timer(delay, _signal_self, (signal.SIGTERM,))
@@ -184,6 +186,41 @@ def test_sigterm_at_any_moment_stops_both_ranks_together_and_loses_no_step(
             assert result["stopped_at"] in (0, TOTAL_STEPS)
         for name, tensor in unbroken_weights.items():
             assert torch.equal(result["weights"][name], tensor), name
+
+
+def _sigterm_on_rank_1_checking_every_fifth_second(
+    rank: int, world_size: int, workdir: Path
+) -> dict:
+    overrides = [*FAST, f"run.dir={workdir / 'run'}", "train.max_steps=5000", "train.epochs=100"]
+    config = load_config(None, [*overrides, "train.eval_every=100000"])
+    stop = StopRequests(check_s=0.2)
+    with stop.installed():
+        first = make_trainer(config, env_for(rank, world_size), stop=stop)
+        timer = threading.Timer(1.0, _signal_self, (signal.SIGTERM,))
+        if rank == 1:
+            timer.start()
+        status = first.fit()
+        timer.cancel()
+    newest = latest_checkpoint(first.run_dir)
+    return {
+        "status": status,
+        "stopped_at": first.step,
+        "newest_checkpoint": newest.name,
+        "interval": stop._interval,
+    }
+
+
+@pytest.mark.distributed
+def test_checking_every_few_tenths_of_a_second_still_stops_every_rank_at_one_step(
+    tmp_path: Path,
+) -> None:
+    """Short steps: the ranks compare notes every many steps, chosen alike on every rank."""
+    results = spawn(2, _sigterm_on_rank_1_checking_every_fifth_second, tmp_path, workdir=tmp_path)
+    assert results[0]["stopped_at"] == results[1]["stopped_at"] < 5000
+    assert results[0]["interval"] == results[1]["interval"] > 1
+    for result in results:
+        assert result["status"] == EXIT_RESUMABLE
+        assert result["newest_checkpoint"] == f"step_{result['stopped_at']:08d}"
 
 
 def test_a_single_process_stops_right_after_the_step_it_was_signalled_in(tmp_path: Path) -> None:

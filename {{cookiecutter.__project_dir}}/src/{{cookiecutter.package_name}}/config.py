@@ -86,13 +86,15 @@ class CheckpointConfig:
     directory that already holds checkpoints is refused rather than mixed with a new run.
     `stop_on_signals`: SIGTERM (preemption, scancel, torchrun), SIGUSR1 and SIGUSR2 (Slurm's
     time-limit warning) make every rank finish the same step, save a checkpoint and exit; see
-    stopping.py for the exit statuses.
+    stopping.py for the exit statuses. The ranks compare notes about every `stop_check_s` seconds
+    of training (0: after every step), so a stop comes about 2 x stop_check_s after the signal.
     """
 
     every_steps: int = 50
     keep_last: int = 3
     resume: bool = True
     stop_on_signals: bool = True
+    stop_check_s: float = 1.0
 
 
 @dataclass
@@ -206,6 +208,11 @@ def validate(config: Config) -> None:
             raise ConfigError(f"{key} must be positive, got {value}")
     if config.train.epochs <= 0 and config.train.max_steps <= 0:
         raise ConfigError("set train.epochs or train.max_steps to a positive number")
+    if config.checkpoint.stop_check_s < 0:
+        raise ConfigError(
+            f"checkpoint.stop_check_s must be >= 0 (0 checks after every step), "
+            f"got {config.checkpoint.stop_check_s}"
+        )
     if config.dist.check_replicas_every < 0:
         raise ConfigError("dist.check_replicas_every must be >= 0 (0 turns the check off)")
     if config.data.num_workers < 0:

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(config.run.dir)
     setup_logging(env.rank, run_dir)
     # From here on a stop signal is recorded, not fatal: it is acted on once training can save.
-    stop = StopRequests(config.checkpoint.stop_on_signals)
+    stop = StopRequests(config.checkpoint.stop_on_signals, config.checkpoint.stop_check_s)
     try:
         with stop.installed(), process_group(env, config.dist) as device:
             return train(config, env, device, run_dir, stop)

@@ -124,7 +124,8 @@ class Trainer:
         self.micro_batch_size, self.accumulation_steps = batch_split(
             train.global_batch_size, train.micro_batch_size, env.world_size
         )
-        self.stop = stop or StopRequests(config.checkpoint.stop_on_signals)
+        checkpoint = config.checkpoint
+        self.stop = stop or StopRequests(checkpoint.stop_on_signals, checkpoint.stop_check_s)
         self.step = 0
 
         # The same seed on every rank gives the same initial weights (DDP also broadcasts rank 0's).
