@@ -95,7 +95,7 @@ def check_changes(changes: dict[str, tuple], path: Path, announce: bool) -> None
     if announce:
         for key, (old, new) in sorted(changes.items()):
             note = APPLIED.get(key, "used from now on")
-            log.info("resume: %s changed from %r to %r: applied (%s)", key, old, new, note)
+            log.info("%s changed from %r to %r: applied (%s)", key, old, new, note)
 
 
 def announce_world_size_change(saved: int, current: int, announce: bool) -> None:
