@@ -93,6 +93,31 @@ def run_torchrun(
     return result
 
 
+#: What a fault-injecting entry point runs around its fault (see write_fault_entry).
+_FAULT_ENTRY_HEAD = """import os
+import signal
+import sys
+import time
+
+from {{ cookiecutter.package_name }} import checkpoint, train
+from {{ cookiecutter.package_name }}.trainer import Trainer
+"""
+_FAULT_ENTRY_TAIL = """
+sys.exit(train.main())
+"""
+
+
+def write_fault_entry(directory: Path, fault: str) -> Path:
+    """A training entry point for `run_torchrun(entry=...)` that runs `fault` before main().
+
+    `fault` is Python source that patches the package (e.g. Trainer.train_step) to fail, hang
+    or slow down; it may use os, signal, sys, time, checkpoint, train and Trainer.
+    """
+    entry = directory / "entry.py"
+    entry.write_text(_FAULT_ENTRY_HEAD + fault + _FAULT_ENTRY_TAIL)
+    return entry
+
+
 # Worker processes fork from a server that has already imported torch: much faster than a
 # fresh interpreter per worker, and unlike a plain fork it copies no test-runner threads.
 mp.set_forkserver_preload(

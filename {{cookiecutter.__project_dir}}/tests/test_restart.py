@@ -10,7 +10,7 @@ import torch
 
 from {{ cookiecutter.package_name }}.checkpoint import latest_checkpoint, load_checkpoint
 
-from .helpers import FAST, run_torchrun
+from .helpers import FAST, run_torchrun, write_fault_entry
 
 pytestmark = [pytest.mark.distributed, pytest.mark.faults, pytest.mark.timeout(300)]
 
@@ -20,16 +20,9 @@ FAIL_IN_STEP = 6  # after the checkpoint at step 4: the restart resumes from the
 #: A restart is a new start-up of every rank; one that neither trains nor fails by then hangs.
 LAUNCH_TIMEOUT_S = 120
 
-#: The training entry point with one fault: rank 1 fails in optimizer step FAIL_IN_STEP of the
-#: first attempt (torchrun numbers the attempts in TORCHELASTIC_RESTART_COUNT).
-FAILING_ENTRY = """
-import os
-import signal
-import sys
-
-from {{ cookiecutter.package_name }} import train
-from {{ cookiecutter.package_name }}.trainer import Trainer
-
+#: The fault: rank 1 fails in optimizer step FAIL_IN_STEP of the first attempt (torchrun
+#: numbers the attempts in TORCHELASTIC_RESTART_COUNT).
+FAILING_STEP = """
 train_step = Trainer.train_step
 
 
@@ -42,7 +35,6 @@ def failing_train_step(self, batches):
 
 
 Trainer.train_step = failing_train_step
-sys.exit(train.main())
 """
 
 FAILURES = {
@@ -76,8 +68,8 @@ def unbroken_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_a_rank_failing_after_a_checkpoint_is_restarted_and_ends_like_an_unbroken_run(
     failure: str, unbroken_run: dict, tmp_path: Path
 ) -> None:
-    entry = tmp_path / "failing_train.py"
-    entry.write_text(FAILING_ENTRY.format(step=FAIL_IN_STEP, failure=FAILURES[failure]))
+    fault = FAILING_STEP.format(step=FAIL_IN_STEP, failure=FAILURES[failure])
+    entry = write_fault_entry(tmp_path, fault)
     run_dir = tmp_path / "run"
 
     result = run_torchrun(

@@ -10,24 +10,11 @@ import pytest
 
 from {{ cookiecutter.package_name }}.checkpoint import latest_checkpoint
 
-from .helpers import FAST, run_torchrun
+from .helpers import FAST, run_torchrun, write_fault_entry
 
 pytestmark = [pytest.mark.distributed, pytest.mark.faults, pytest.mark.timeout(300)]
 
 TIMEOUT_S = 4
-
-#: The training entry point with one fault, run by torchrun in place of the package's.
-ENTRY = """
-import sys
-import time
-
-from {{ cookiecutter.package_name }} import checkpoint, train
-from {{ cookiecutter.package_name }}.trainer import Trainer
-
-{fault}
-
-sys.exit(train.main())
-"""
 
 #: Rank 1 stops making progress in step 3, as a rank stuck in a driver call or a data loader.
 HANG = """
@@ -60,12 +47,6 @@ checkpoint._atomic_save = slow_atomic_save
 """
 
 
-def _entry(tmp_path: Path, fault: str) -> Path:
-    entry = tmp_path / "entry.py"
-    entry.write_text(ENTRY.format(fault=fault))
-    return entry
-
-
 def _overrides(run_dir: Path) -> list[str]:
     return [*FAST, f"run.dir={run_dir}", "train.max_steps=6", f"dist.timeout_s={TIMEOUT_S}"]
 
@@ -74,7 +55,7 @@ def test_a_hung_rank_ends_the_job_after_the_collective_timeout(tmp_path: Path) -
     """Not after the ten minutes of a single long timeout: the waiting rank fails after
     dist.timeout_s, and torchrun then ends the hung one (after its 30 s grace period)."""
     started = time.monotonic()
-    result = run_torchrun(2, _overrides(tmp_path / "run"), entry=_entry(tmp_path, HANG))
+    result = run_torchrun(2, _overrides(tmp_path / "run"), entry=write_fault_entry(tmp_path, HANG))
     elapsed = time.monotonic() - started
     assert result.returncode != 0
     assert "rank 1 hangs in step 3" in result.stderr
@@ -87,6 +68,6 @@ def test_a_checkpoint_write_longer_than_the_collective_timeout_is_waited_for(
     slow_save = SLOW_SAVE.format(seconds=2 * TIMEOUT_S)
     run_dir = tmp_path / "run"
     overrides = [*_overrides(run_dir), "checkpoint.every_steps=6"]  # one save, at the end
-    result = run_torchrun(2, overrides, entry=_entry(tmp_path, slow_save))
+    result = run_torchrun(2, overrides, entry=write_fault_entry(tmp_path, slow_save))
     assert result.returncode == 0, result.stderr[-6000:]
     assert latest_checkpoint(run_dir).name == "step_00000006"
