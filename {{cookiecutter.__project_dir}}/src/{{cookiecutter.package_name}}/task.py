@@ -54,6 +54,9 @@ class Task:
 
     #: What `evaluation_sums` returns besides "count"; each is reported as sum / count.
     metric_names: tuple[str, ...] = ("loss", "accuracy")
+    #: Throughput is reported in these units per second; one sample holds `units_per_sample`.
+    throughput_unit: str = "samples"
+    units_per_sample: int = 1
 
     def __init__(self, config: TaskConfig, seed: int) -> None:
         self.config = config
@@ -61,6 +64,13 @@ class Task:
 
     def build_model(self) -> nn.Module:
         return Classifier(self.config)
+
+    def flops_per_sample(self, model: nn.Module) -> float:
+        """Training FLOPs (forward and backward) for one sample: what MFU is computed from.
+
+        An MLP is all matrix products: 2 FLOPs per weight and sample forward, 4 backward.
+        """
+        return 6.0 * sum(param.numel() for param in model.parameters() if param.dim() > 1)
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         """(train, eval) data sets."""
