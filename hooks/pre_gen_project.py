@@ -321,6 +321,7 @@ VALIDATORS: dict[str, Validator] = {
     "license": choice,
     "python_version": choice,
     "mixed_precision": choice,
+    "example": choice,
     "use_slurm": yes_no,
     "slurm_partition": slurm_names,
     "slurm_account": slurm_names,

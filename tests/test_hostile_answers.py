@@ -73,6 +73,7 @@ REFUSED = [
     ("license", "MIT\n", "is not one of the choices"),
     ("python_version", 3.11, "is not one of the choices"),
     ("mixed_precision", "fp8", "is not one of the choices"),
+    ("example", "llama", "is not one of the choices"),
     ("tracker", "none ", "is not one of the choices"),
     ("ci", "jenkins", "is not one of the choices"),
     ("use_slurm", "yes", "is not yes or no"),
