@@ -61,6 +61,9 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
         files |= {"Dockerfile", ".dockerignore", "apptainer.def"}
     if combo["tracker"] != "none":
         files |= {f"src/{package}/tracker.py", "tests/test_tracker.py"}
+    if combo["example"] == "gpt":
+        files |= {f"src/{package}/gpt.py", "tests/test_gpt.py"}
+        files |= {"configs/gpt-small.yaml", "configs/gpt2-124m.yaml"}
     if combo["ci"] == "github":
         files.add(".github/workflows/ci.yml")
     if combo["ci"] == "gitlab":

@@ -17,7 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+{%- if cookiecutter.example == "classifier" %}
 from torch.utils.data import Dataset, TensorDataset
+{%- endif %}
 
 from {{ cookiecutter.package_name }}.config import Config
 from {{ cookiecutter.package_name }}.distributed import (
@@ -34,7 +36,16 @@ from {{ cookiecutter.package_name }}.trainer import Trainer
 FAST = [
     "task.num_train_samples=512",
     "task.num_eval_samples=101",
+{%- if cookiecutter.example == "classifier" %}
     "task.hidden_dim=32",
+{%- else %}
+    "task.generated_bytes=20000",
+    "task.block_size=16",
+    "task.n_layer=2",
+    "task.n_head=2",
+    "task.n_embd=32",
+    "task.dropout=0.1",
+{%- endif %}
     "train.global_batch_size=32",
     "train.micro_batch_size=8",
     "train.log_every=2",
@@ -215,6 +226,7 @@ class Float64Task(Task):
 
     def build_model(self) -> torch.nn.Module:
         return super().build_model().double()
+{%- if cookiecutter.example == "classifier" %}
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         train, evaluation = super().build_datasets()
@@ -224,3 +236,4 @@ class Float64Task(Task):
 def _as_float64(dataset: TensorDataset) -> TensorDataset:
     inputs, labels = dataset.tensors
     return TensorDataset(inputs.double(), labels)
+{%- endif %}

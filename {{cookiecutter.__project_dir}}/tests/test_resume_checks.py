@@ -79,7 +79,7 @@ def test_turning_fp16_on_at_resume_starts_a_fresh_loss_scaler(tmp_path: Path) ->
 
 @pytest.mark.parametrize(
     "change",
-    ["run.seed=99", "task.hidden_dim=64", "train.global_batch_size=64"],
+    ["run.seed=99", "task.{{ 'hidden_dim' if cookiecutter.example == 'classifier' else 'n_embd' }}=64", "train.global_batch_size=64"],
 )
 def test_changes_that_would_make_it_another_run_are_refused_by_name(
     tmp_path: Path, change: str

@@ -29,6 +29,7 @@ class RunConfig:
 
 @dataclass
 class TaskConfig:
+{%- if cookiecutter.example == "classifier" %}
     """Size of the example task (see task.py); replace with your own task's settings."""
 
     num_train_samples: int = 8192
@@ -37,6 +38,26 @@ class TaskConfig:
     hidden_dim: int = 128
     num_classes: int = 8
     dropout: float = 0.1
+{%- else %}
+    """The text and the size of the example language model (see task.py and gpt.py).
+
+    `text_path`: the file to learn, read as bytes; empty: a text of `generated_bytes` bytes
+    generated from run.seed, so nothing is downloaded. Its first 90% trains, the rest evaluates,
+    in windows of `block_size` + 1 bytes. `num_train_samples` / `num_eval_samples` > 0 take only
+    that many windows of each part (quick runs); 0 takes them all. The defaults are a tiny model
+    that trains on a laptop CPU; configs/gpt-*.yaml hold bigger ones, up to GPT-2 small.
+    """
+
+    text_path: str = ""
+    generated_bytes: int = 1_000_000
+    num_train_samples: int = 0
+    num_eval_samples: int = 0
+    block_size: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+{%- endif %}
 
 
 @dataclass
@@ -200,12 +221,38 @@ def validate(config: Config) -> None:
         "checkpoint.keep_last": config.checkpoint.keep_last,
         "dist.timeout_s": config.dist.timeout_s,
         "dist.barrier_timeout_s": config.dist.barrier_timeout_s,
+{%- if cookiecutter.example == "classifier" %}
         "task.num_train_samples": config.task.num_train_samples,
         "task.num_eval_samples": config.task.num_eval_samples,
+{%- else %}
+        "task.generated_bytes": config.task.generated_bytes,
+        "task.block_size": config.task.block_size,
+        "task.n_layer": config.task.n_layer,
+        "task.n_head": config.task.n_head,
+        "task.n_embd": config.task.n_embd,
+{%- endif %}
     }
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
+{%- if cookiecutter.example == "gpt" %}
+    task = config.task
+    if task.n_embd % task.n_head:
+        raise ConfigError(
+            f"task.n_embd={task.n_embd} must be a multiple of task.n_head={task.n_head}: "
+            "each attention head takes an equal share of the embedding"
+        )
+    if not 0 <= task.dropout < 1:
+        raise ConfigError(f"task.dropout must be in [0, 1), got {task.dropout}")
+    for key in ("num_train_samples", "num_eval_samples"):
+        if getattr(task, key) < 0:
+            raise ConfigError(f"task.{key} must be >= 0 (0 takes every window of the text)")
+    if task.text_path and not Path(task.text_path).is_file():
+        raise ConfigError(
+            f"task.text_path={task.text_path} is not a file. Give the path of a text file to "
+            "train on, or leave task.text_path empty to train on a generated text."
+        )
+{%- endif %}
     if config.train.epochs <= 0 and config.train.max_steps <= 0:
         raise ConfigError("set train.epochs or train.max_steps to a positive number")
     if config.checkpoint.stop_check_s < 0:

@@ -5,6 +5,7 @@ your own model, replace the data set, the model and the two loss/metric methods 
 settings in `TaskConfig` (config.py). Nothing here knows about ranks, devices or DDP: the trainer
 moves batches to the device, wraps the model, and reduces the metrics across ranks.
 """
+{%- if cookiecutter.example == "classifier" %}
 
 from __future__ import annotations
 
@@ -96,3 +97,149 @@ class Task:
             "accuracy": (logits.argmax(dim=-1) == labels).sum(),
             "count": torch.tensor(labels.numel(), device=labels.device),
         }
+{%- else %}
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import Dataset
+
+from .config import ConfigError, TaskConfig
+from .gpt import GPT
+
+#: Byte-level modelling: any file is a sequence of bytes 0-255, so no tokenizer is needed.
+VOCAB_SIZE = 256
+
+SUBJECTS = ("the cat", "a dog", "my sister", "the old man", "our teacher", "a small bird")
+VERBS = ("sees", "finds", "likes", "paints", "follows", "carries", "remembers")
+OBJECTS = ("a red ball", "the river", "an apple", "the green door", "a long letter", "the boat")
+PLACES = ("in the garden", "near the station", "at night", "after school", "by the sea")
+
+
+def generate_text(num_bytes: int, seed: int) -> bytes:
+    """Sentences from a small grammar, deterministic from the seed: nothing to download.
+
+    Spelling, spaces and word order are regular enough that a tiny model's loss falls far below
+    that of guessing bytes (ln 256 = 5.5) within a few hundred steps.
+    """
+    rng = random.Random(seed)
+    sentences = []
+    size = 0
+    while size < num_bytes:
+        words = [rng.choice(SUBJECTS), rng.choice(VERBS), rng.choice(OBJECTS)]
+        if rng.random() < 0.5:
+            words.append(rng.choice(PLACES))
+        sentence = " ".join(words).capitalize() + ".\n"
+        sentences.append(sentence)
+        size += len(sentence)
+    return "".join(sentences).encode()[:num_bytes]
+
+
+def read_text(config: TaskConfig, seed: int) -> torch.Tensor:
+    """The text as a tensor of bytes: the file at `task.text_path`, else a generated one."""
+    if config.text_path:
+        data = Path(config.text_path).read_bytes()
+    else:
+        data = generate_text(config.generated_bytes, seed)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+class ByteWindows(Dataset):
+    """Sample i is bytes i * block_size to (i + 1) * block_size of the text, both included.
+
+    It is returned as (inputs, targets), the targets being the inputs shifted by one: position t
+    learns to predict byte t + 1. Consecutive windows share one byte, so each byte of the text is
+    a target once per epoch.
+    """
+
+    def __init__(self, data: torch.Tensor, block_size: int, num_samples: int) -> None:
+        self.data = data
+        self.block_size = block_size
+        self.num_samples = num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = index * self.block_size
+        window = self.data[start : start + self.block_size + 1].long()
+        return window[:-1], window[1:]
+
+
+def byte_windows(data: torch.Tensor, config: TaskConfig, wanted: int, part: str) -> ByteWindows:
+    """The windows of one part of the text: `wanted` of them, or all when `wanted` is 0."""
+    available = (len(data) - 1) // config.block_size
+    if available == 0 or wanted > available:
+        needed = f"task.num_{part}_samples={wanted}" if wanted else "at least one is needed"
+        raise ConfigError(
+            f"the {part} part of the text ({len(data)} bytes) holds {available} windows of "
+            f"task.block_size + 1 = {config.block_size + 1} bytes, but {needed}. Use a longer "
+            f"text (task.text_path or task.generated_bytes), a smaller task.block_size, or a "
+            f"smaller task.num_{part}_samples."
+        )
+    return ByteWindows(data, config.block_size, wanted or available)
+
+
+class Task:
+    """Next-byte prediction on a text with a small GPT (gpt.py)."""
+
+    #: What `evaluation_sums` returns besides "count"; each is reported as sum / count.
+    metric_names: tuple[str, ...] = ("loss", "accuracy")
+    #: Throughput is reported in these units per second; one sample holds `units_per_sample`.
+    throughput_unit: str = "tokens"
+    units_per_sample: int
+
+    def __init__(self, config: TaskConfig, seed: int) -> None:
+        self.config = config
+        self.seed = seed
+        self.units_per_sample = config.block_size
+
+    def build_model(self) -> nn.Module:
+        return GPT(self.config, VOCAB_SIZE)
+
+    def flops_per_sample(self, model: nn.Module) -> float:
+        """Training FLOPs (forward and backward) for one sample: what MFU is computed from.
+
+        The estimate of nanoGPT and the PaLM paper (appendix B), per token: 6 FLOPs per parameter
+        (2 forward, 4 backward) plus 12 * n_layer * n_embd * block_size for the attention scores
+        and their weighted sum. As in nanoGPT, the parameters are all but the position embedding:
+        the token embedding counts, since it is also the output head, a matrix product per token.
+        """
+        config = self.config
+        params = sum(param.numel() for param in model.parameters())
+        params -= config.block_size * config.n_embd  # the position embedding: a lookup
+        attention = 12 * config.n_layer * config.n_embd * config.block_size
+        return float((6 * params + attention) * config.block_size)
+
+    def build_datasets(self) -> tuple[Dataset, Dataset]:
+        """(train, eval) data sets: the first 90% of the text, and the rest."""
+        text = read_text(self.config, self.seed)
+        split = len(text) * 9 // 10
+        train = byte_windows(text[:split], self.config, self.config.num_train_samples, "train")
+        evaluation = byte_windows(text[split:], self.config, self.config.num_eval_samples, "eval")
+        return train, evaluation
+
+    def training_loss(
+        self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """Mean loss over the tokens of the micro-batch; the trainer handles accumulation."""
+        inputs, targets = batch
+        return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+
+    def evaluation_sums(
+        self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Per-batch sums over tokens of each metric plus the token count: exact across ranks."""
+        inputs, targets = batch
+        logits = model(inputs).double()  # float64 sums stay exact when added up across ranks
+        return {
+            "loss": F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum"),
+            "accuracy": (logits.argmax(dim=-1) == targets).sum(),
+            "count": torch.tensor(targets.numel(), device=targets.device),
+        }
+{%- endif %}
