@@ -20,7 +20,7 @@ def _first_step_grad_norm(run_dir: Path, precision: str) -> float:
     )
     trainer = make_trainer(config)
     trainer.sampler.set_epoch(0)
-    _, grad_norm = trainer.train_step(iter(trainer.train_loader))
+    grad_norm = trainer.train_step(iter(trainer.train_loader))
     return grad_norm.item()
 
 

@@ -108,7 +108,7 @@ def _record_one(rank: int, world_size: int, run_dir: Path, k: int) -> dict:
             before_last.append(flat_grads(trainer.model))
         return Task.training_loss(task, model, batch)
 
-    trainer.ddp_model.register_comm_hook(None, counting_allreduce)
+    trainer.ddp.register_comm_hook(None, counting_allreduce)
     task.training_loss = loss_with_probe
     trainer.optimizer.register_step_pre_hook(lambda *_: at_step.append(flat_grads(trainer.model)))
     train_steps(trainer, STEPS)

@@ -62,9 +62,16 @@ class TaskConfig:
 
 @dataclass
 class DataConfig:
-    """DataLoader settings. The global batch is in TrainConfig."""
+    """DataLoader settings. The global batch is in TrainConfig.
+
+    `num_workers` > 0 loads batches in that many worker processes per rank, each keeping
+    `prefetch_factor` batches ready; `persistent_workers` keeps them alive from one epoch (and
+    evaluation) to the next. `pin_memory` speeds up copies to a GPU (ignored on CPU).
+    """
 
     num_workers: int = 0
+    prefetch_factor: int = 2
+    persistent_workers: bool = True
     pin_memory: bool = True
 
 
@@ -88,15 +95,26 @@ class TrainConfig:
     ranks takes global_batch_size / W samples per step, in micro-batches of at most
     `micro_batch_size` (the largest divisor of the per-rank share that fits), accumulated over as
     many micro-steps as needed. The same config therefore trains on 1 or 64 ranks.
+
+    `compile` runs the model through torch.compile (the first steps take longer while it
+    compiles). `tf32` lets float32 matrix products use TF32 tensor cores on CUDA (Ampere and
+    newer): much faster, with a 10-bit mantissa in the products. `progress_bar` shows one on
+    rank 0 when stderr is a terminal. `peak_tflops` is one device's peak for MFU; 0 looks the GPU
+    up in throughput.PEAK_TFLOPS (MFU is left out where it is unknown, e.g. on CPU).
     """
 
     global_batch_size: int = 128
     micro_batch_size: int = 32
+    eval_batch_size: int = 64
     epochs: int = 3
     max_steps: int = -1
     mixed_precision: Literal["bf16", "fp16", "none"] = {{ cookiecutter.mixed_precision | python_string }}
+    compile: bool = False
+    tf32: bool = True
     eval_every: int = 50
     log_every: int = 10
+    progress_bar: bool = True
+    peak_tflops: float = 0.0
 
 
 @dataclass
@@ -128,6 +146,16 @@ class DistConfig:
     waits around checkpoint writes and work only rank 0 does (a tracker that starts slowly).
     `check_replicas_every` > 0 compares a checksum of every parameter across ranks every that
     many steps (a debugging aid: replicas that drift apart mean a bug outside DDP).
+
+    DDP: gradients are all-reduced in buckets of `bucket_cap_mb`, overlapped with backward.
+    `broadcast_buffers` copies rank 0's buffers (e.g. BatchNorm statistics) to the others at
+    every forward; turn it off for models without buffers that change. `find_unused_parameters`
+    is needed only when some parameters get no gradient in a step (costs a graph traversal per
+    step). `static_graph` declares that the same parameters are used every step (allows more
+    overlap). `comm_hook` compresses the gradients sent: fp16 (or bf16, NCCL only) halves the
+    bytes, `powersgd` sends a rank-`powersgd_rank` approximation after the lr warmup (much less,
+    lossy; its error feedback is not checkpointed, so a resumed run is no longer bitwise
+    reproducible).
     """
 
     device: Literal["auto", "cuda", "cpu"] = "auto"
@@ -135,9 +163,25 @@ class DistConfig:
     timeout_s: int = 60
     barrier_timeout_s: int = 1800
     bucket_cap_mb: int = 25
+    broadcast_buffers: bool = True
     find_unused_parameters: bool = False
     static_graph: bool = False
+    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+    powersgd_rank: int = 1
     check_replicas_every: int = 0
+
+
+@dataclass
+class ProfileConfig:
+    """A torch.profiler trace of a few steps on rank 0, written to `<run.dir>/profile/`.
+
+    Skips `wait_steps` steps after the start (or the resume), then records `active_steps`. Open
+    the trace in https://ui.perfetto.dev or chrome://tracing; summary.txt lists the top ops.
+    """
+
+    enabled: bool = False
+    wait_steps: int = 5
+    active_steps: int = 3
 {%- if cookiecutter.tracker != "none" %}
 
 
@@ -166,6 +210,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 {%- if cookiecutter.tracker != "none" %}
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
 {%- endif %}
@@ -215,12 +260,17 @@ def validate(config: Config) -> None:
     positive = {
         "train.global_batch_size": config.train.global_batch_size,
         "train.micro_batch_size": config.train.micro_batch_size,
+        "train.eval_batch_size": config.train.eval_batch_size,
         "train.log_every": config.train.log_every,
         "train.eval_every": config.train.eval_every,
         "checkpoint.every_steps": config.checkpoint.every_steps,
         "checkpoint.keep_last": config.checkpoint.keep_last,
         "dist.timeout_s": config.dist.timeout_s,
         "dist.barrier_timeout_s": config.dist.barrier_timeout_s,
+        "dist.bucket_cap_mb": config.dist.bucket_cap_mb,
+        "dist.powersgd_rank": config.dist.powersgd_rank,
+        "data.prefetch_factor": config.data.prefetch_factor,
+        "profile.active_steps": config.profile.active_steps,
 {%- if cookiecutter.example == "classifier" %}
         "task.num_train_samples": config.task.num_train_samples,
         "task.num_eval_samples": config.task.num_eval_samples,
@@ -262,6 +312,12 @@ def validate(config: Config) -> None:
         )
     if config.dist.check_replicas_every < 0:
         raise ConfigError("dist.check_replicas_every must be >= 0 (0 turns the check off)")
+    if config.train.peak_tflops < 0:
+        raise ConfigError(
+            f"train.peak_tflops must be >= 0 (0 looks the GPU up), got {config.train.peak_tflops}"
+        )
+    if config.profile.wait_steps < 0:
+        raise ConfigError(f"profile.wait_steps must be >= 0, got {config.profile.wait_steps}")
     if config.data.num_workers < 0:
         raise ConfigError(f"data.num_workers must be >= 0, got {config.data.num_workers}")
     if config.optim.lr <= 0:

@@ -153,7 +153,8 @@ def _loader_options(config: DataConfig, device: torch.device, seed: int) -> dict
     return {
         "num_workers": workers,
         "pin_memory": config.pin_memory and device.type == "cuda",
-        "persistent_workers": workers > 0,
+        "persistent_workers": config.persistent_workers and workers > 0,
+        "prefetch_factor": config.prefetch_factor if workers > 0 else None,
         # Without its own generator, every iter(loader) draws from the global torch RNG, so a
         # run resumed mid-epoch (one extra iter) would get different dropout masks afterwards.
         # Seeded per rank: it also seeds the workers, which must differ between ranks.

@@ -215,8 +215,7 @@ def check_replicas(model: torch.nn.Module, step: int) -> None:
         return
     with torch.no_grad():
         local = torch.stack([param.detach().double().sum() for param in model.parameters()])
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, local)
+    gathered = gather_rows(local)
     differing = [rank for rank, sums in enumerate(gathered) if not torch.equal(sums, gathered[0])]
     if differing:
         raise ReplicaMismatchError(
@@ -230,6 +229,18 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if is_distributed():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def gather_rows(values: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-D `values`, stacked in rank order (one row for a single process).
+
+    A collective on the default group: every rank must call it at the same point.
+    """
+    if not is_distributed():
+        return values.unsqueeze(0)
+    rows = [torch.empty_like(values) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, values)
+    return torch.stack(rows)
 
 
 def all_ranks_agree(flag: bool) -> bool:

@@ -8,6 +8,7 @@ all-reduced once, on the last of them.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import platform
@@ -20,15 +21,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
 from . import __version__
-from .checkpoint import load_newest_intact, save_checkpoint
+from .checkpoint import checkpoint_root, latest_checkpoint, load_newest_intact, save_checkpoint
 from .config import Config, ConfigError
 from .data import build_eval_loader, build_train_loader
-from .distributed import DistEnv, all_reduce_sum, check_replicas
-from .metrics import MetricsLogger
+from .distributed import DistEnv, all_reduce_sum, check_replicas, gather_rows
+from .logs import ProgressBar
+from .metrics import MetricsLogger, read_metrics
+from .profiling import StepProfiler
 from .resume import (
     OPTIMIZER_SETTINGS,
     announce_world_size_change,
@@ -38,10 +43,19 @@ from .resume import (
 )
 from .stopping import StopRequests
 from .task import Task
+from .throughput import StepMeter, peak_flops, window_figures
 
 log = logging.getLogger(__name__)
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
+_DDP_HAS_FORWARD_SYNC_BUFFERS = (
+    "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+)
+UNUSED_PARAMETERS_HINT = (
+    "some parameters got no gradient in a step, so DDP never finished reducing gradients. Set "
+    "dist.find_unused_parameters=true (costs a graph traversal per step), or make every "
+    "parameter take part in the loss. DDP's own message follows."
+)
 
 
 def batch_split(global_batch_size: int, max_micro: int, world_size: int) -> tuple[int, int]:
@@ -86,6 +100,12 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def gradient_norm(parameters: Iterator[torch.nn.Parameter]) -> torch.Tensor:
+    """The 2-norm of all gradients together, as clipping computes it (without clipping)."""
+    norms = [torch.linalg.vector_norm(param.grad) for param in parameters if param.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
 def capture_rng(device: torch.device) -> dict[str, Any]:
     """This rank's random number generator states (Python, torch CPU, and CUDA when used)."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
@@ -128,10 +148,17 @@ class Trainer:
         self.stop = stop or StopRequests(checkpoint.stop_on_signals, checkpoint.stop_check_s)
         self.step = 0
 
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = train.tf32
+            torch.backends.cudnn.allow_tf32 = train.tf32
         # The same seed on every rank gives the same initial weights (DDP also broadcasts rank 0's).
         torch.manual_seed(config.run.seed)
         self.model = task.build_model().to(device)
-        self.ddp_model = self._wrap(self.model)
+        self.ddp: DistributedDataParallel | None = self._wrap(self.model)
+        # What the step calls: the DDP wrapper (or the bare model on one rank), maybe compiled.
+        self.ddp_model: torch.nn.Module = self.ddp or self.model
+        if train.compile:
+            self.ddp_model = torch.compile(self.ddp_model)
         # From here on each rank draws its own random numbers (dropout, augmentation).
         self._seed_rank_streams()
 
@@ -140,7 +167,7 @@ class Trainer:
             train_set, env, config.data, self.micro_batch_size, config.run.seed, device
         )
         self.eval_loader = build_eval_loader(
-            eval_set, env, config.data, train.micro_batch_size, config.run.seed, device
+            eval_set, env, config.data, train.eval_batch_size, config.run.seed, device
         )
         # The same on any world size: step s of an epoch always trains on the same global samples.
         self.steps_per_epoch = len(train_set) // train.global_batch_size
@@ -174,23 +201,53 @@ class Trainer:
         # Loss scaling only for fp16: bf16 has fp32's exponent range and needs none.
         self.scaler = torch.amp.GradScaler(device.type, enabled=train.mixed_precision == "fp16")
 
-        # Train-loss sums since the last log line; kept in the checkpoint so resumed logs match.
+        # Sum of the micro-batch losses since the last log line, left on the device (reading it
+        # would wait for the device); kept in the checkpoint so that resumed logs match.
         self.window_loss = torch.zeros((), dtype=torch.float64, device=device)
         self.window_steps = 0
-        self.window_start = time.perf_counter()
 
-    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        self.meter = StepMeter(device)
+        self.unit = task.throughput_unit
+        self.units_per_step = train.global_batch_size * task.units_per_sample
+        self.flops_per_step = train.global_batch_size * task.flops_per_sample(self.model)
+        precision = train.mixed_precision
+        if precision == "none":
+            precision = "tf32" if train.tf32 and device.type == "cuda" else "fp32"
+        self.peak_flops = peak_flops(device, precision, train.peak_tflops)
+
+    def _wrap(self, model: torch.nn.Module) -> DistributedDataParallel | None:
         if self.env.world_size == 1:
-            return model
+            return None
         dist_config = self.config.dist
-        return DistributedDataParallel(
+        if dist_config.comm_hook == "bf16" and dist.get_backend() != "nccl":
+            raise ConfigError(
+                "dist.comm_hook=bf16 needs the NCCL backend (CUDA GPUs); use dist.comm_hook=fp16 "
+                f"with {dist.get_backend()}"
+            )
+        # Newer torch renamed the forward-time buffer sync; the old name warns there.
+        buffers = "forward_sync_buffers" if _DDP_HAS_FORWARD_SYNC_BUFFERS else "broadcast_buffers"
+        ddp = DistributedDataParallel(
             model,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
             bucket_cap_mb=dist_config.bucket_cap_mb,
             find_unused_parameters=dist_config.find_unused_parameters,
             static_graph=dist_config.static_graph,
             gradient_as_bucket_view=True,
+            **{buffers: dist_config.broadcast_buffers},
         )
+        if dist_config.comm_hook == "fp16":
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif dist_config.comm_hook == "bf16":
+            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        elif dist_config.comm_hook == "powersgd":
+            # Plain all-reduce during the lr warmup, as the PowerSGD paper advises.
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=dist_config.powersgd_rank,
+                start_powerSGD_iter=max(2, self.config.optim.warmup_steps),
+            )
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return ddp
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -201,35 +258,46 @@ class Trainer:
 
     def _sync_context(self, last_micro_step: bool) -> AbstractContextManager:
         # no_sync must cover forward AND backward: DDP prepares its gradient reduction in forward.
-        if last_micro_step or not isinstance(self.ddp_model, DistributedDataParallel):
+        if last_micro_step or self.ddp is None:
             return nullcontext()
-        return self.ddp_model.no_sync()
+        return self.ddp.no_sync()
 
-    def train_step(self, batches: Iterator[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over `accumulation_steps` micro-batches: (mean loss, grad norm)."""
-        self.ddp_model.train()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for micro_step in range(self.accumulation_steps):
-            batch = move_to_device(next(batches), self.device)
-            with self._sync_context(last_micro_step=micro_step == self.accumulation_steps - 1):
-                with self.autocast():
-                    loss = self.task.training_loss(self.ddp_model, batch)
-                self.scaler.scale(loss / self.accumulation_steps).backward()
-            loss_sum += loss.detach()
+    def train_step(self, batches: Iterator[Any]) -> torch.Tensor | None:
+        """One optimizer step over `accumulation_steps` micro-batches.
+
+        Returns the gradient norm before clipping when it is computed anyway (clipping on) or
+        will be logged after this step, else None. The losses are added to `window_loss` on the
+        device: nothing in a step waits for the device (fp16's inf/nan check aside).
+        """
+        try:
+            for micro_step in range(self.accumulation_steps):
+                waiting = time.perf_counter()
+                batch = move_to_device(next(batches), self.device)
+                self.meter.data_wait_s += time.perf_counter() - waiting
+                with self._sync_context(last_micro_step=micro_step == self.accumulation_steps - 1):
+                    with self.autocast():
+                        loss = self.task.training_loss(self.ddp_model, batch)
+                    self.scaler.scale(loss / self.accumulation_steps).backward()
+                self.window_loss += loss.detach()
+        except RuntimeError as error:
+            if "find_unused_parameters" in str(error):
+                raise RuntimeError(UNUSED_PARAMETERS_HINT) from error
+            raise
         # Clip the true gradients: unscale first (a no-op unless fp16 loss scaling is on).
         self.scaler.unscale_(self.optimizer)
         grad_clip = self.config.optim.grad_clip
+        grad_norm = None
         if grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
-        else:
-            grad_norm = torch.zeros((), device=self.device)
+        elif self._due(self.config.train.log_every, self.step + 1):
+            grad_norm = gradient_norm(self.model.parameters())
         # With fp16, a step whose gradients hold inf/nan is skipped on every rank alike: the
         # gradients were all-reduced, so every rank sees the same non-finite values.
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return loss_sum / self.accumulation_steps, grad_norm
+        return grad_norm
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -250,32 +318,49 @@ class Trainer:
                 )
                 return 0
             self._log_start()
-            self.window_start = time.perf_counter()
-            while self.step < self.total_steps:
-                epoch, step_in_epoch = divmod(self.step, self.steps_per_epoch)
-                samples_per_rank_per_step = self.micro_batch_size * self.accumulation_steps
-                self.sampler.set_epoch(epoch, start_index=step_in_epoch * samples_per_rank_per_step)
-                batches = iter(self.train_loader)
-                for _ in range(step_in_epoch, self.steps_per_epoch):
-                    if self.step >= self.total_steps:
-                        break
-                    loss, grad_norm = self.train_step(batches)
-                    self.step += 1
-                    self.window_loss += loss
-                    self.window_steps += 1
-                    self._periodic(epoch, grad_norm)
-                    if self.stop.agreed_after_step():
-                        if not self._due(self.config.checkpoint.every_steps):  # else just saved
-                            self.save()
-                        return self._stopped()
-            self.stop.close()
+            first_step, started = self.step, time.perf_counter()
+            is_main = self.env.is_main
+            show_bar = self.config.train.progress_bar and is_main
+            progress = ProgressBar(self.step, self.total_steps, show_bar)
+            profiler = StepProfiler(self.config.profile, self.run_dir, self.device, is_main)
+            try:
+                status = self._train_loop(progress, profiler)
+            finally:
+                profiler.stop()
+                progress.close()
+        self._log_summary(first_step, time.perf_counter() - started)
+        return status
+
+    def _train_loop(self, progress: ProgressBar, profiler: StepProfiler) -> int:
+        self.ddp_model.train()
+        self.meter.start()
+        while self.step < self.total_steps:
+            epoch, step_in_epoch = divmod(self.step, self.steps_per_epoch)
+            samples_per_rank_per_step = self.micro_batch_size * self.accumulation_steps
+            self.sampler.set_epoch(epoch, start_index=step_in_epoch * samples_per_rank_per_step)
+            batches = iter(self.train_loader)
+            for _ in range(step_in_epoch, self.steps_per_epoch):
+                if self.step >= self.total_steps:
+                    break
+                grad_norm = self.train_step(batches)
+                self.step += 1
+                self.window_steps += 1
+                self.meter.steps += 1
+                profiler.step()
+                progress.update(self.step)
+                self._periodic(epoch, grad_norm)
+                if self.stop.agreed_after_step():
+                    if not self._due(self.config.checkpoint.every_steps):  # else just saved
+                        self.save()
+                    return self._stopped()
+        self.stop.close()
         log.info("training complete at step %d", self.step)
         return 0
 
     def _log_start(self) -> None:
         log.info(
             "training steps %d..%d: %d ranks, global batch %d = %d ranks x %d micro-batch x "
-            "%d accumulation, %d steps/epoch, device %s, precision %s",
+            "%d accumulation, %d steps/epoch, device %s, precision %s%s",
             self.step + 1,
             self.total_steps,
             self.env.world_size,
@@ -286,6 +371,7 @@ class Trainer:
             self.steps_per_epoch,
             self.device,
             self.config.train.mixed_precision,
+            ", compiled" if self.config.train.compile else "",
         )
 
     def _stopped(self) -> int:
@@ -299,54 +385,111 @@ class Trainer:
         )
         return self.stop.exit_status
 
-    def _periodic(self, epoch: int, grad_norm: torch.Tensor) -> None:
+    def _periodic(self, epoch: int, grad_norm: torch.Tensor | None) -> None:
         """What runs between steps on schedule. Every rank takes the same branches."""
         config = self.config
         if config.dist.check_replicas_every and self._due(config.dist.check_replicas_every):
             check_replicas(self.model, self.step)
         if self._due(config.train.log_every):
-            self._log_train(epoch, grad_norm, time.perf_counter() - self.window_start)
-            self.window_start = time.perf_counter()
+            self._log_train(epoch, grad_norm)
         if self._due(config.train.eval_every):
             self.metrics.log(self.step, {f"eval/{k}": v for k, v in self.evaluate().items()})
         if self._due(config.checkpoint.every_steps):
             self.save()
 
-    def _due(self, every: int) -> bool:
-        return self.step % every == 0 or self.step == self.total_steps
+    def _due(self, every: int, step: int | None = None) -> bool:
+        """Whether something done every `every` steps is due after `step` (default: this one)."""
+        step = self.step if step is None else step
+        return step % every == 0 or step == self.total_steps
 
-    def _log_train(self, epoch: int, grad_norm: torch.Tensor, elapsed: float) -> None:
-        # Every rank reaches this at the same step, so the all-reduce is safe here.
-        window = torch.stack(
-            [self.window_loss, torch.tensor(float(self.window_steps), device=self.device).double()]
+    def _log_train(self, epoch: int, grad_norm: torch.Tensor | None) -> None:
+        window = self.meter.window()
+        self.meter.pause()
+        # One collective per log line, gathered from every rank at the same step: the loss sums
+        # and each rank's timings (the spread shows stragglers).
+        local = [window.train_s, window.data_wait_s, float(window.peak_memory)]
+        values = torch.cat([self.window_loss.reshape(1), self.window_loss.new_tensor(local)])
+        rows = gather_rows(values).cpu()
+        micro_batches = rows.shape[0] * self.window_steps * self.accumulation_steps
+        loss = float(rows[:, 0].sum()) / micro_batches
+        figures = window_figures(
+            rows[:, 1:],
+            window.steps,
+            self.unit,
+            self.units_per_step,
+            self.flops_per_step,
+            self.peak_flops,
         )
-        all_reduce_sum(window)
-        loss = (window[0] / window[1]).item()
-        samples = self.window_steps * self.config.train.global_batch_size
-        values = {
-            "train/loss": loss,
-            "train/lr": self.scheduler.get_last_lr()[0],
-            "train/grad_norm": grad_norm.item(),
-            "train/samples_per_s": samples / elapsed,
-            "train/step_time_s": elapsed / self.window_steps,
-            "epoch": epoch,
-        }
-        log.info(
-            "step %d/%d | epoch %d | loss %.4f | lr %.2e | %.0f samples/s",
-            self.step,
-            self.total_steps,
-            epoch,
-            loss,
-            values["train/lr"],
-            values["train/samples_per_s"],
-        )
+        values = {"train/loss": loss, "train/lr": self.scheduler.get_last_lr()[0]}
+        if grad_norm is not None:
+            values["train/grad_norm"] = grad_norm.item()
+        values.update(figures)
+        values["epoch"] = epoch
+        log.info(self._train_line(values))
         self.metrics.log(self.step, values)
         self.window_loss.zero_()
         self.window_steps = 0
+        self.meter.resume()
+
+    def _train_line(self, values: dict[str, float]) -> str:
+        rate = values[f"train/{self.unit}_per_s"]
+        parts = [
+            f"step {self.step}/{self.total_steps}",
+            f"epoch {values['epoch']}",
+            f"loss {values['train/loss']:.4f}",
+            f"lr {values['train/lr']:.2e}",
+        ]
+        if "train/grad_norm" in values:
+            parts.append(f"grad norm {values['train/grad_norm']:.3f}")
+        parts += [
+            f"{rate:,.0f} {self.unit}/s",
+            f"{values['train/step_time_s'] * 1e3:.1f} ms/step (ranks "
+            f"{values['train/step_time_min_s'] * 1e3:.1f}-"
+            f"{values['train/step_time_max_s'] * 1e3:.1f})",
+            f"data wait {values['train/data_wait_share']:.0%} (max "
+            f"{values['train/data_wait_share_max']:.0%} on rank "
+            f"{values['train/data_wait_max_rank']})",
+            f"peak mem {values['train/peak_memory_gb']:.2f} GB",
+        ]
+        if "train/mfu" in values:
+            parts.append(f"MFU {values['train/mfu']:.1%}")
+        return " | ".join(parts)
+
+    def _log_summary(self, first_step: int, wall_s: float) -> None:
+        """One line at the end of a launch: what was done, how fast, and where the results are."""
+        if not self.env.is_main:
+            return
+        meter = self.meter
+        rate = meter.total_steps * self.units_per_step / max(meter.total_train_s, 1e-9)
+        evals = [
+            (r["eval/loss"], r["step"]) for r in read_metrics(self.run_dir) if "eval/loss" in r
+        ]
+        best = "no evaluation yet"
+        if evals:
+            loss, step = min(evals)
+            best = f"best eval loss {loss:.4f} at step {step}"
+        newest = latest_checkpoint(self.run_dir)
+        log.info(
+            "summary: steps %d..%d of %d in %.1f s (%.0f %s/s while training); %s; "
+            "checkpoints in %s (newest: %s)",
+            first_step + 1,
+            self.step,
+            self.total_steps,
+            wall_s,
+            rate,
+            self.unit,
+            best,
+            checkpoint_root(self.run_dir),
+            newest.name if newest else "none",
+        )
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Metrics over the whole evaluation set, each sample counted once across all ranks."""
+        """Metrics over the whole evaluation set, each sample counted once across all ranks.
+
+        Its time is left out of the training throughput.
+        """
+        self.meter.pause()
         self.model.eval()
         names = (*self.task.metric_names, "count")
         totals = torch.zeros(len(names), dtype=torch.float64, device=self.device)
@@ -364,6 +507,8 @@ class Trainer:
             self.step,
             " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
         )
+        self.ddp_model.train()
+        self.meter.resume()
         return metrics
 
     # --- checkpoints ------------------------------------------------------------------------
@@ -403,6 +548,8 @@ class Trainer:
         }
 
     def save(self) -> Path:
+        """Write a checkpoint of this step (a collective); its time is left out of throughput."""
+        self.meter.pause()
         path = save_checkpoint(
             self.run_dir,
             self.step,
@@ -412,6 +559,7 @@ class Trainer:
             keep_last=self.config.checkpoint.keep_last,
         )
         log.info("saved checkpoint %s", path)
+        self.meter.resume()
         return path
 
     def resume(self) -> bool:
