@@ -11,6 +11,11 @@ from {{ cookiecutter.package_name }}.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
 )
+from {{ cookiecutter.package_name }}.config import load_config
+from {{ cookiecutter.package_name }}.distributed import DistEnv
+from {{ cookiecutter.package_name }}.metrics import MetricsLogger
+from {{ cookiecutter.package_name }}.task import Task
+from {{ cookiecutter.package_name }}.trainer import Trainer
 
 from .helpers import FAST, run_torchrun
 
@@ -28,6 +33,27 @@ def test_one_gpu_trains(tmp_path: Path) -> None:
     result = run_torchrun(1, [*FAST, f"run.dir={run_dir}", "train.max_steps=8"])
     assert result.returncode == 0, result.stderr
     assert "device cuda:0" in result.stderr
+
+
+@needs_cuda
+def test_a_step_that_is_not_logged_never_waits_for_the_gpu(tmp_path: Path) -> None:
+    """The host queues step after step: a host sync per step would leave the GPU idle."""
+    overrides = ["train.mixed_precision=bf16", "data.pin_memory=true", "train.log_every=1000"]
+    config = load_config(None, [*FAST, f"run.dir={tmp_path}", *overrides])
+    task = Task(config.task, config.run.seed)
+    metrics = MetricsLogger(tmp_path, is_main=True)
+    trainer = Trainer(config, task, DistEnv(), torch.device("cuda", 0), tmp_path, metrics)
+    trainer.sampler.set_epoch(0)
+    batches = iter(trainer.train_loader)
+    trainer.train_step(batches)  # the first step initialises CUDA state lazily
+    trainer.step += 1
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            trainer.train_step(batches)
+            trainer.step += 1
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @needs_cuda
