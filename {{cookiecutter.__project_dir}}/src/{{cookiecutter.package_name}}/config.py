@@ -45,7 +45,7 @@ class TaskConfig:
     generated from run.seed, so nothing is downloaded. Its first 90% trains, the rest evaluates,
     in windows of `block_size` + 1 bytes. `num_train_samples` / `num_eval_samples` > 0 take only
     that many windows of each part (quick runs); 0 takes them all. The defaults are a tiny model
-    that trains on a laptop CPU; configs/gpt-*.yaml hold bigger ones, up to GPT-2 small.
+    that trains on a laptop CPU; configs/gpt-small.yaml and configs/gpt2-124m.yaml are bigger.
     """
 
     text_path: str = ""

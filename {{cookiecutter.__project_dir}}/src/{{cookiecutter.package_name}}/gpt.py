@@ -41,6 +41,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """The feed-forward sublayer: each position on its own, through a 4x wider GELU layer."""
+
     def __init__(self, config: TaskConfig) -> None:
         super().__init__()
         self.fc = nn.Linear(config.n_embd, 4 * config.n_embd)
