@@ -8,6 +8,7 @@ and trains as a single process without a process group.
 from __future__ import annotations
 
 import gc
+import inspect
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -16,11 +17,19 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
 
-from .config import DistConfig
+from .config import ConfigError, DistConfig
 
 #: Set by process_group(); None for a single process, and in tests that start their own group.
 _control_group: dist.ProcessGroup | None = None
+# Newer torch renamed the forward-time buffer sync; passing the old name warns there.
+_BUFFER_SYNC_ARGUMENT = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else "broadcast_buffers"
+)
 
 
 class DistributedError(RuntimeError):
@@ -203,6 +212,38 @@ def barrier() -> None:
     """Wait for every rank, for up to `dist.barrier_timeout_s`; a no-op for a single process."""
     if is_distributed():
         dist.barrier(group=_control_group)
+
+
+def wrap_ddp(
+    model: torch.nn.Module, device: torch.device, config: DistConfig, powersgd_start_step: int
+) -> DistributedDataParallel:
+    """Wrap `model` in DDP with the dist.* settings, and the gradient compression chosen."""
+    if config.comm_hook == "bf16" and dist.get_backend() != "nccl":
+        raise ConfigError(
+            "dist.comm_hook=bf16 needs the NCCL backend (CUDA GPUs); use dist.comm_hook=fp16 "
+            f"with {dist.get_backend()}"
+        )
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=config.bucket_cap_mb,
+        find_unused_parameters=config.find_unused_parameters,
+        static_graph=config.static_graph,
+        gradient_as_bucket_view=True,
+        **{_BUFFER_SYNC_ARGUMENT: config.broadcast_buffers},
+    )
+    if config.comm_hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif config.comm_hook == "bf16":
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif config.comm_hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=config.powersgd_rank,
+            start_powerSGD_iter=max(2, powersgd_start_step),
+        )
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return ddp
 
 
 def check_replicas(model: torch.nn.Module, step: int) -> None:

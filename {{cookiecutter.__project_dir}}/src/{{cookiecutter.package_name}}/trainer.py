@@ -8,7 +8,6 @@ all-reduced once, on the last of them.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import platform
@@ -21,8 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -30,7 +27,7 @@ from . import __version__
 from .checkpoint import checkpoint_root, latest_checkpoint, load_newest_intact, save_checkpoint
 from .config import Config, ConfigError
 from .data import build_eval_loader, build_train_loader
-from .distributed import DistEnv, all_reduce_sum, check_replicas, gather_rows
+from .distributed import DistEnv, all_reduce_sum, check_replicas, gather_rows, wrap_ddp
 from .logs import ProgressBar
 from .metrics import MetricsLogger, read_metrics
 from .profiling import StepProfiler
@@ -48,9 +45,6 @@ from .throughput import StepMeter, peak_flops, window_figures
 log = logging.getLogger(__name__)
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
-_DDP_HAS_FORWARD_SYNC_BUFFERS = (
-    "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-)
 UNUSED_PARAMETERS_HINT = (
     "some parameters got no gradient in a step, so DDP never finished reducing gradients. Set "
     "dist.find_unused_parameters=true (costs a graph traversal per step), or make every "
@@ -154,7 +148,10 @@ class Trainer:
         # The same seed on every rank gives the same initial weights (DDP also broadcasts rank 0's).
         torch.manual_seed(config.run.seed)
         self.model = task.build_model().to(device)
-        self.ddp: DistributedDataParallel | None = self._wrap(self.model)
+        self.ddp: DistributedDataParallel | None = None
+        if env.world_size > 1:
+            # PowerSGD compresses only after the lr warmup, as its paper advises.
+            self.ddp = wrap_ddp(self.model, device, config.dist, config.optim.warmup_steps)
         # What the step calls: the DDP wrapper (or the bare model on one rank), maybe compiled.
         self.ddp_model: torch.nn.Module = self.ddp or self.model
         if train.compile:
@@ -214,40 +211,6 @@ class Trainer:
         if precision == "none":
             precision = "tf32" if train.tf32 and device.type == "cuda" else "fp32"
         self.peak_flops = peak_flops(device, precision, train.peak_tflops)
-
-    def _wrap(self, model: torch.nn.Module) -> DistributedDataParallel | None:
-        if self.env.world_size == 1:
-            return None
-        dist_config = self.config.dist
-        if dist_config.comm_hook == "bf16" and dist.get_backend() != "nccl":
-            raise ConfigError(
-                "dist.comm_hook=bf16 needs the NCCL backend (CUDA GPUs); use dist.comm_hook=fp16 "
-                f"with {dist.get_backend()}"
-            )
-        # Newer torch renamed the forward-time buffer sync; the old name warns there.
-        buffers = "forward_sync_buffers" if _DDP_HAS_FORWARD_SYNC_BUFFERS else "broadcast_buffers"
-        ddp = DistributedDataParallel(
-            model,
-            device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            bucket_cap_mb=dist_config.bucket_cap_mb,
-            find_unused_parameters=dist_config.find_unused_parameters,
-            static_graph=dist_config.static_graph,
-            gradient_as_bucket_view=True,
-            **{buffers: dist_config.broadcast_buffers},
-        )
-        if dist_config.comm_hook == "fp16":
-            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif dist_config.comm_hook == "bf16":
-            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
-        elif dist_config.comm_hook == "powersgd":
-            # Plain all-reduce during the lr warmup, as the PowerSGD paper advises.
-            state = powerSGD_hook.PowerSGDState(
-                process_group=None,
-                matrix_approximation_rank=dist_config.powersgd_rank,
-                start_powerSGD_iter=max(2, self.config.optim.warmup_steps),
-            )
-            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        return ddp
 
     # --- the step ---------------------------------------------------------------------------
 
