@@ -310,6 +310,11 @@ def set_by_cookiecutter(name: str, value: object, answers: Answers) -> str | Non
     return None
 
 
+def set_by_cruft(name: str, value: object, answers: Answers) -> str | None:
+    """The template's commit, which cruft adds and records in .cruft.json; no file uses it."""
+    return None
+
+
 #: Every key of the context -> its validator. A new option needs a row here.
 VALIDATORS: dict[str, Validator] = {
     "project_name": one_line_text(example='"My Project"', max_length=100),
@@ -340,6 +345,7 @@ VALIDATORS: dict[str, Validator] = {
     "_output_dir": set_by_cookiecutter,
     "_repo_dir": set_by_cookiecutter,
     "_checkout": set_by_cookiecutter,
+    "_commit": set_by_cruft,
 }
 
 
