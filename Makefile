@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO := build/demo
 
-.PHONY: venv test lint demo docs clean
+.PHONY: venv test lint demo docs docs-serve clean
 
 $(VENV)/.installed: requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,8 +34,14 @@ demo: venv
 	cd $(DEMO)/ddp-project && OMP_NUM_THREADS=1 $(CURDIR)/$(BIN)/torchrun --standalone --nproc-per-node=2 \
 		-m ddp_project.train --config configs/default.yaml train.max_steps=100
 
+## Regenerate docs/options.md from cookiecutter.json, then build the site into site/ (strict:
+## a broken link fails). docs-serve rebuilds and serves it at http://127.0.0.1:8000 while you edit.
 docs: venv
 	$(BIN)/python docs/generate_options.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 clean:
-	rm -rf $(VENV) build
+	rm -rf $(VENV) build site
