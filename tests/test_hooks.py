@@ -118,8 +118,9 @@ def test_old_cookiecutter_is_refused(
     assert pre_gen.cookiecutter_version_error() is None
 
 
-#: Keys cookiecutter adds to every context, whatever cookiecutter.json holds.
-RUNTIME_KEYS = {"_template", "_output_dir", "_repo_dir", "_checkout"}
+#: Keys cookiecutter adds to every context, whatever cookiecutter.json holds, and the template
+#: commit that cruft adds.
+RUNTIME_KEYS = {"_template", "_output_dir", "_repo_dir", "_checkout", "_commit"}
 
 
 def test_every_key_the_render_sees_has_one_validator(pre_gen: types.ModuleType) -> None:
