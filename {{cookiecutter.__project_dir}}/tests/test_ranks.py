@@ -16,7 +16,7 @@ import {{ cookiecutter.package_name }}
 from {{ cookiecutter.package_name }}.config import load_config
 from {{ cookiecutter.package_name }}.distributed import ReplicaMismatchError
 
-from .helpers import FAST, env_for, make_trainer, spawn
+from .helpers import FAST, env_for, make_trainer, run_torchrun, spawn, write_fault_entry
 
 PACKAGE_DIR = Path({{ cookiecutter.package_name }}.__file__).parent
 
@@ -80,6 +80,61 @@ def test_only_rank_zero_writes_replicated_files(tmp_path: Path) -> None:
     rank0, rank1 = spawn(2, _files_written, tmp_path / "run", workdir=tmp_path)
     assert set(rank1) <= {"rank_00001.pt", "rank_00001.pt.partial"}
     assert {"state.pt", "COMPLETE", "metrics.jsonl", "rank_00000.pt"} <= set(rank0)
+
+
+#: Rank 1 warns once before training; ranks 0 and 2 have nothing to say beyond rank 0's story.
+_RANK_ONE_WARNS = """
+import logging
+
+_fit = Trainer.fit
+
+
+def fit(self):
+    if self.env.rank == 1:
+        logging.getLogger("data").warning("rank 1 reads a slow disk")
+    return _fit(self)
+
+
+Trainer.fit = fit
+"""
+
+
+@pytest.fixture(scope="module")
+def three_rank_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run directory of a 3-rank run in which rank 1 warned and rank 2 did not."""
+    workdir = tmp_path_factory.mktemp("logs")
+    entry = write_fault_entry(workdir, _RANK_ONE_WARNS)
+    run_dir = workdir / "run"
+    overrides = [*FAST, f"run.dir={run_dir}", "train.global_batch_size=24", "train.max_steps=4"]
+    result = run_torchrun(3, overrides, entry=entry)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_each_log_file_has_one_writer(three_rank_logs: Path) -> None:
+    """train.log is rank 0's; a rank that warned has its own file, a quiet rank none."""
+    assert sorted(path.name for path in three_rank_logs.glob("*.log")) == [
+        "train.log",
+        "train.rank1.log",
+    ]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_train_log_holds_rank_zero_lines_only(three_rank_logs: Path) -> None:
+    lines = (three_rank_logs / "train.log").read_text().splitlines()
+    assert any("training complete" in line for line in lines)
+    assert all("[rank 0]" in line for line in lines)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_warning_goes_to_the_rank_s_own_file(three_rank_logs: Path) -> None:
+    lines = (three_rank_logs / "train.rank1.log").read_text().splitlines()
+    assert len(lines) == 1
+    assert "[rank 1] WARNING data: rank 1 reads a slow disk" in lines[0]
 
 
 #: torch.distributed calls that every rank must make together.

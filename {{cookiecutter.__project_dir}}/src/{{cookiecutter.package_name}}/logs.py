@@ -1,8 +1,10 @@
 """Rank-aware logging: rank 0 tells the story, the other ranks speak only when something is wrong.
 
-Every line carries its rank. All ranks append to one `train.log` in the run directory (appends
-of whole lines do not interleave), and print to stderr, which the launcher collects. On rank 0
-at a terminal, a progress bar shares stderr with the log lines.
+Every line carries its rank and goes to stderr, which the launcher collects. Each log file in the
+run directory has a single writer, because appends from several hosts to one file on a shared
+file system (NFS, Lustre) can interleave or lose lines: rank 0 writes `train.log`, and rank N
+writes `train.rank<N>.log`, created at its first warning, so a healthy run leaves train.log only.
+On rank 0 at a terminal, a progress bar shares stderr with the log lines.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ def setup_logging(rank: int, run_dir: Path) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
     formatter = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
     run_dir.mkdir(parents=True, exist_ok=True)
+    log_file = run_dir / ("train.log" if rank == 0 else f"train.rank{rank}.log")
     handlers: list[logging.Handler] = [
         logging.StreamHandler(sys.stderr),
-        logging.FileHandler(run_dir / "train.log", mode="a"),
+        logging.FileHandler(log_file, mode="a", delay=rank != 0),
     ]
     root = logging.getLogger()
     for handler in list(root.handlers):
