@@ -2,15 +2,25 @@
 
 Everything is validated here, before any process group starts, so a typo fails in one second with a
 message that names the key instead of failing minutes later on every rank.
+
+A setting is a field of one of the dataclasses below, with a type, a default and a `#:` comment
+above it: its one-line help in `--help`. Types understood: bool, int, float, str, Path,
+`Literal[...]`, `enum.Enum` subclasses (written as their values), `X | None`, `list[X]`,
+`tuple[X, ...]` and fixed tuples, `dict[str, X]`, and dataclasses nested in a section (set as
+`task.encoder.depth=4`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import inspect
+import re
+import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from pathlib import Path, PurePath
+from typing import Any, Literal, NamedTuple, get_args, get_origin
 
 import yaml
 
@@ -23,7 +33,9 @@ class ConfigError(ValueError):
 class RunConfig:
     """Where the run lives. The same directory on a second launch means: resume."""
 
+    #: Checkpoints, logs and metrics of the run; the same directory again resumes it.
     dir: str = "runs/default"
+    #: Seeds the initial weights, the data order and every random stream.
     seed: int = 1234
 
 
@@ -32,11 +44,17 @@ class TaskConfig:
 {%- if cookiecutter.example == "classifier" %}
     """Size of the example task (see task.py); replace with your own task's settings."""
 
+    #: Samples in the generated training set.
     num_train_samples: int = 8192
+    #: Samples in the generated evaluation set.
     num_eval_samples: int = 1000
+    #: Features per sample.
     input_dim: int = 32
+    #: Width of the MLP's hidden layers.
     hidden_dim: int = 128
+    #: Classes (Gaussian blobs) to tell apart.
     num_classes: int = 8
+    #: Dropout probability after each hidden layer.
     dropout: float = 0.1
 {%- else %}
     """The text and the size of the example language model (see task.py and gpt.py).
@@ -48,14 +66,23 @@ class TaskConfig:
     that trains on a laptop CPU; configs/gpt-small.yaml and configs/gpt2-124m.yaml are bigger.
     """
 
+    #: The text file to learn; empty: a generated text.
     text_path: str = ""
+    #: Bytes of generated text, when text_path is empty.
     generated_bytes: int = 1_000_000
+    #: Training windows to take (quick runs); 0 takes them all.
     num_train_samples: int = 0
+    #: Evaluation windows to take; 0 takes them all.
     num_eval_samples: int = 0
+    #: Bytes of context.
     block_size: int = 64
+    #: Transformer blocks.
     n_layer: int = 2
+    #: Attention heads per block; they share n_embd equally.
     n_head: int = 4
+    #: Embedding width.
     n_embd: int = 128
+    #: Dropout probability in attention and MLP.
     dropout: float = 0.0
 {%- endif %}
 
@@ -69,9 +96,13 @@ class DataConfig:
     evaluation) to the next. `pin_memory` speeds up copies to a GPU (ignored on CPU).
     """
 
+    #: Loader processes per rank; 0 loads in the training process.
     num_workers: int = 0
+    #: Batches each worker keeps ready.
     prefetch_factor: int = 2
+    #: Keep the workers from one epoch (and evaluation) to the next.
     persistent_workers: bool = True
+    #: Page-locked batches, for faster copies to a GPU (ignored on CPU).
     pin_memory: bool = True
 
 
@@ -79,11 +110,17 @@ class DataConfig:
 class OptimConfig:
     """AdamW with linear warmup and cosine decay to `min_lr_ratio * lr`."""
 
+    #: Peak learning rate, reached at the end of the warmup.
     lr: float = 3e-3
+    #: AdamW's decoupled weight decay.
     weight_decay: float = 0.01
+    #: AdamW's decay rates of the gradient's moments.
     betas: tuple[float, float] = (0.9, 0.999)
+    #: Optimizer steps of linear warmup to lr.
     warmup_steps: int = 20
+    #: The cosine decay ends at min_lr_ratio * lr.
     min_lr_ratio: float = 0.1
+    #: Clip the gradients' global norm to this; 0 does not clip.
     grad_clip: float = 1.0
 
 
@@ -103,17 +140,29 @@ class TrainConfig:
     up in throughput.PEAK_TFLOPS (MFU is left out where it is unknown, e.g. on CPU).
     """
 
+    #: Samples per optimizer step, across all ranks, whatever the world size.
     global_batch_size: int = 128
+    #: At most this many samples per rank in one forward and backward.
     micro_batch_size: int = 32
+    #: Samples per rank in one evaluation batch.
     eval_batch_size: int = 64
+    #: Passes over the training data (unless max_steps is set).
     epochs: int = 3
+    #: Optimizer steps to train; > 0 wins over epochs.
     max_steps: int = -1
+    #: Autocast dtype: bf16, fp16 (with loss scaling) or none (float32).
     mixed_precision: Literal["bf16", "fp16", "none"] = {{ cookiecutter.mixed_precision | python_string }}
+    #: Run the model through torch.compile.
     compile: bool = False
+    #: Let float32 matrix products use TF32 tensor cores on CUDA.
     tf32: bool = True
+    #: Evaluate every that many optimizer steps.
     eval_every: int = 50
+    #: A log line and a metrics record every that many optimizer steps.
     log_every: int = 10
+    #: A progress bar on rank 0 when stderr is a terminal.
     progress_bar: bool = True
+    #: One device's peak TFLOP/s for MFU; 0 looks the GPU up.
     peak_tflops: float = 0.0
 
 
@@ -129,10 +178,15 @@ class CheckpointConfig:
     of training (0: after every step), so a stop comes about 2 x stop_check_s after the signal.
     """
 
+    #: Save a checkpoint every that many optimizer steps.
     every_steps: int = 50
+    #: Checkpoints kept; older ones are deleted.
     keep_last: int = 3
+    #: Continue from the newest checkpoint in run.dir; false refuses a used run.dir.
     resume: bool = True
+    #: On SIGTERM, SIGUSR1 or SIGUSR2 every rank saves a checkpoint and stops.
     stop_on_signals: bool = True
+    #: Seconds of training between the ranks' checks for a stop; 0: every step.
     stop_check_s: float = 1.0
 
 
@@ -158,16 +212,27 @@ class DistConfig:
     reproducible).
     """
 
+    #: auto: CUDA when a GPU is visible, else CPU.
     device: Literal["auto", "cuda", "cpu"] = "auto"
+    #: auto: NCCL on CUDA, gloo on CPU.
     backend: Literal["auto", "nccl", "gloo"] = "auto"
+    #: Seconds a start-up or training collective may wait before the job ends.
     timeout_s: int = 60
+    #: Seconds the ranks wait for checkpoint writes and rank-0-only work.
     barrier_timeout_s: int = 1800
+    #: Size of DDP's gradient all-reduce buckets, in MB.
     bucket_cap_mb: int = 25
+    #: Copy rank 0's buffers (e.g. BatchNorm statistics) at every forward.
     broadcast_buffers: bool = True
+    #: Allow parameters without a gradient in a step (costs a traversal).
     find_unused_parameters: bool = False
+    #: The same parameters are used at every step (allows more overlap).
     static_graph: bool = False
+    #: Gradient compression: fp16, bf16 (NCCL only), powersgd (lossy) or none.
     comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+    #: Rank of PowerSGD's low-rank gradient approximation.
     powersgd_rank: int = 1
+    #: Compare parameter checksums across ranks every that many steps; 0: off.
     check_replicas_every: int = 0
 
 
@@ -179,8 +244,11 @@ class ProfileConfig:
     the trace in https://ui.perfetto.dev or chrome://tracing; summary.txt lists the top ops.
     """
 
+    #: Record a torch.profiler trace of a few steps on rank 0.
     enabled: bool = False
+    #: Steps to skip after the start (or the resume) before recording.
     wait_steps: int = 5
+    #: Steps to record.
     active_steps: int = 3
 {%- if cookiecutter.tracker != "none" %}
 
@@ -189,11 +257,14 @@ class ProfileConfig:
 class TrackerConfig:
     """Experiment tracker ({{ cookiecutter.tracker }}); metrics.jsonl is written either way."""
 
+    #: Log the metrics to the tracker too.
     enabled: bool = True
 {%- if cookiecutter.tracker in ["wandb", "mlflow"] %}
+    #: The run's project (MLflow: experiment) in the tracker.
     project: str = {{ cookiecutter.project_slug | python_string }}
 {%- endif %}
 {%- if cookiecutter.tracker == "mlflow" %}
+    #: MLflow tracking server or store; empty: <run.dir>/mlflow.db.
     tracking_uri: str = ""
 {%- endif %}
 {%- endif %}
@@ -216,8 +287,20 @@ class Config:
 {%- endif %}
 
     def to_dict(self) -> dict[str, Any]:
-        """A plain nested dict (lists for tuples), fit for YAML, JSON and checkpoints."""
-        return _plain(dataclasses.asdict(self))
+        """A plain nested dict, fit for YAML, JSON and checkpoints.
+
+        Paths become strings, enums their values and tuples lists: `from_dict` turns them back.
+        """
+        return _plain(self)
+
+
+class Setting(NamedTuple):
+    """One `section.key` of the config, as `--help` lists it."""
+
+    key: str
+    type: str
+    default: str
+    help: str
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -227,32 +310,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         values = _read_yaml(Path(path))
     for override in overrides or []:
         _apply_override(values, override)
-    config = _build(Config, values, prefix="")
-    validate(config)
-    return config
+    return from_dict(values)
 
 
 def from_dict(values: dict[str, Any]) -> Config:
-    """Rebuild a Config from `Config.to_dict()` output (e.g. the copy stored in a checkpoint)."""
-    config = _build(Config, values, prefix="")
+    """The defaults with `values` (nested as in `Config.to_dict()`) applied, checked, validated."""
+    config = _build(Config(), values, prefix="")
     validate(config)
     return config
 
 
-def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """`section.key` -> value for a nested dict such as `Config.to_dict()`: the overrides' names."""
-    flat: dict[str, Any] = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
+def flatten(values: dict[str, Any]) -> dict[str, Any]:
+    """`section.key` -> value for a nested dict such as `Config.to_dict()`: the overrides' names.
+
+    Only sections (dataclasses) are opened: a dict-valued setting stays one value, so that a key
+    added to it is a change of that setting rather than a setting that exists on one side only.
+    """
+    return _flatten(values, Config, prefix="")
 
 
 def to_yaml(config: Config) -> str:
     """The resolved config as YAML, in declaration order."""
     return yaml.safe_dump(config.to_dict(), sort_keys=False)
+
+
+def settings() -> list[Setting]:
+    """Every `section.key` of `Config()` with its type, default and one-line help, in order."""
+    return _settings(Config(), prefix="")
 
 
 def validate(config: Config) -> None:
@@ -358,42 +442,63 @@ def _apply_override(values: dict[str, Any], override: str) -> None:
         raise ConfigError(f"override {override!r}: cannot parse value {raw!r}: {error}") from error
 
 
-def _build(cls: type, values: Any, prefix: str) -> Any:
+def _build(base: Any, values: Any, prefix: str) -> Any:
+    """`base` (a dataclass instance) with the settings in `values` replaced, each type-checked."""
     if not isinstance(values, dict):
-        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {values!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {values!r}")
+    hints = typing.get_type_hints(type(base))
+    names = [f.name for f in dataclasses.fields(base) if f.init]
     unknown = sorted(set(values) - set(names))
     if unknown:
         where = prefix.rstrip(".") or "top level"
-        keys = ", ".join(prefix + key for key in unknown)
+        keys = ", ".join(prefix + str(key) for key in unknown)
         raise ConfigError(f"unknown key(s) {keys} in {where}; valid keys: {', '.join(names)}")
-    kwargs = {}
-    for name in names:
-        if name not in values:
-            continue
-        hint = hints[name]
-        if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, values[name], prefix=f"{prefix}{name}.")
-        else:
-            kwargs[name] = _coerce(values[name], hint, f"{prefix}{name}")
-    return cls(**kwargs)
+    changes = {
+        name: _coerce(values[name], hints[name], prefix + name, getattr(base, name))
+        for name in names
+        if name in values
+    }
+    return dataclasses.replace(base, **changes)
 
 
-def _coerce(value: Any, hint: Any, key: str) -> Any:
-    origin = get_origin(hint)
-    if origin is Literal:
-        choices = get_args(hint)
-        if value not in choices:
-            raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}; got {value!r}")
-        return value
-    if origin is tuple:
-        items = get_args(hint)
-        if not isinstance(value, (list, tuple)) or len(value) != len(items):
-            raise ConfigError(f"{key} must be a list of {len(items)} values, got {value!r}")
-        pairs = enumerate(zip(value, items, strict=True))
+def _coerce(value: Any, hint: Any, key: str, current: Any = None) -> Any:
+    """`value` as the type `hint`, or a ConfigError naming `key` and the type expected."""
+    origin, args = get_origin(hint), get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        # A nested section: unset keys keep the current value, not the class's default.
+        return _build(current if isinstance(current, hint) else hint(), value, prefix=f"{key}.")
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for option in (arg for arg in args if arg is not type(None)):
+            try:
+                return _coerce(value, option, key, current)
+            except ConfigError:
+                continue
+    elif origin is Literal:
+        if any(value == choice and type(value) is type(choice) for choice in args):
+            return value
+        raise ConfigError(f"{key} must be one of {', '.join(map(str, args))}; got {value!r}")
+    elif _is_subclass(hint, enum.Enum):
+        try:
+            return hint(value)
+        except (ValueError, TypeError):
+            values = ", ".join(str(member.value) for member in hint)
+            raise ConfigError(f"{key} must be one of {values}; got {value!r}") from None
+    elif origin is list and isinstance(value, (list, tuple)):
+        return [_coerce(item, args[0], f"{key}[{i}]") for i, item in enumerate(value)]
+    elif origin is tuple and isinstance(value, (list, tuple)):
+        kinds = (args[0],) * len(value) if args[-1:] == (...,) else args
+        if len(value) != len(kinds):
+            raise ConfigError(f"{key} must be a list of {len(kinds)} values, got {value!r}")
+        pairs = enumerate(zip(value, kinds, strict=True))
         return tuple(_coerce(item, kind, f"{key}[{i}]") for i, (item, kind) in pairs)
-    if hint is bool:
+    elif origin is dict and isinstance(value, dict):
+        return {
+            _coerce(name, args[0], f"a key of {key}"): _coerce(item, args[1], f"{key}.{name}")
+            for name, item in value.items()
+        }
+    elif hint is bool:
         if isinstance(value, bool):
             return value
     elif hint is int:
@@ -407,15 +512,104 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
                 return float(value)
             except ValueError:
                 pass
-    elif hint is str and isinstance(value, str):
-        return value
-    expected = getattr(hint, "__name__", hint)
-    raise ConfigError(f"{key} must be of type {expected}, got {value!r} ({type(value).__name__})")
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    elif _is_subclass(hint, PurePath):
+        if isinstance(value, (str, PurePath)):
+            return hint(value)
+    elif origin not in (list, tuple, dict):
+        raise TypeError(f"{key}: type {_type_name(hint)} is not supported in the config")
+    got = f"{value!r} ({type(value).__name__})"
+    raise ConfigError(f"{key} must be of type {_type_name(hint)}, got {got}")
 
 
 def _plain(value: Any) -> Any:
+    """`value` as YAML and JSON hold it: dicts, lists, strings, numbers, booleans and null."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {_plain(key): _plain(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [_plain(item) for item in value]
+    if isinstance(value, enum.Enum):
+        return _plain(value.value)
+    if isinstance(value, PurePath):
+        return str(value)
     return value
+
+
+def _flatten(values: dict[str, Any], schema: type, prefix: str) -> dict[str, Any]:
+    hints = typing.get_type_hints(schema)
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        hint = hints.get(key)
+        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+            flat.update(_flatten(value, hint, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _settings(section: Any, prefix: str) -> list[Setting]:
+    hints = typing.get_type_hints(type(section))
+    described = _descriptions(type(section))
+    found: list[Setting] = []
+    for f in dataclasses.fields(section):
+        value, key = getattr(section, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value):
+            found += _settings(value, f"{key}.")
+        else:
+            default = _inline_yaml(_plain(value))
+            help = described.get(f.name, "")
+            found.append(Setting(key, _type_name(hints[f.name]), default, help))
+    return found
+
+
+def _descriptions(cls: type) -> dict[str, str]:
+    """Each field's one-line help: the `#:` comment above it (a base class's for inherited ones)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    described: dict[str, str] = {}
+    for klass in filter(dataclasses.is_dataclass, cls.__mro__):  # the subclass first
+        try:
+            lines = inspect.getsource(klass).splitlines()
+        except (OSError, TypeError):  # no source to read, e.g. the package runs from a zip
+            continue
+        comment: list[str] = []
+        for line in map(str.strip, lines):
+            if line.startswith("#:"):
+                comment.append(line[2:].strip())
+                continue
+            named = re.match(r"(\w+)\s*:", line)
+            if comment and named and named[1] in names:
+                described.setdefault(named[1], " ".join(comment))
+            comment = []
+    return described
+
+
+def _type_name(hint: Any) -> str:
+    """`hint` as users write it: `int | None`, `list[int]`, `fp16|bf16` for a choice."""
+    origin, args = get_origin(hint), get_args(hint)
+    if hint is type(None):
+        return "None"
+    if origin is Literal:
+        return "|".join(map(str, args))
+    if _is_subclass(hint, enum.Enum):
+        return "|".join(str(member.value) for member in hint)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(map(_type_name, args))
+    if origin is not None:
+        inner = ", ".join("..." if arg is ... else _type_name(arg) for arg in args)
+        return f"{origin.__name__}[{inner}]"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _is_subclass(hint: Any, base: type) -> bool:
+    """Whether `hint` is a plain class derived from `base` (`list[int]` is not a class here)."""
+    return get_origin(hint) is None and isinstance(hint, type) and issubclass(hint, base)
+
+
+def _inline_yaml(value: Any) -> str:
+    """`value` as it is typed in an override: `runs/default`, `[0.9, 0.999]`, `null`."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=1_000_000).strip()
+    return text.removesuffix("...").strip()

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .config import Config, ConfigError, load_config, to_yaml
+from .config import Config, ConfigError, load_config, settings, to_yaml
 from .distributed import DistEnv, barrier, detect_env, process_group
 from .logs import setup_logging
 from .metrics import MetricsLogger
@@ -33,7 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog={{ (cookiecutter.project_slug ~ "-train") | python_string }},
         description="Train with DistributedDataParallel (single process, torchrun or Slurm).",
-        epilog="Overrides: section.key=value, e.g. train.max_steps=100 run.dir=runs/exp1",
+        epilog=settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", type=Path, help="YAML file on top of the defaults")
     parser.add_argument(
@@ -41,6 +42,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     return parser.parse_args(argv)
+
+
+def settings_help() -> str:
+    """Every setting of config.py with its default, type and help: the end of `--help`."""
+    lines = [
+        "settings, each overridable as section.key=value (values in YAML syntax), e.g.",
+        "  train.max_steps=100 run.dir=runs/exp1 optim.betas=[0.9,0.95]",
+    ]
+    section = ""
+    for setting in settings():
+        if not setting.key.startswith(f"{section}."):
+            section = setting.key.split(".")[0]
+            lines.append("")
+        lines.append(f"  {setting.key}={setting.default}  ({setting.type})")
+        lines.append(f"      {setting.help}")
+    return "\n".join(lines)
 
 
 @record
