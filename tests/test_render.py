@@ -47,8 +47,11 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
         "tests/__init__.py",
         "tests/conftest.py",
         "tests/helpers.py",
+        "benchmarks/allreduce.py",
+        "benchmarks/overhead.py",
     }
-    tests = ["amp", "checkpoint", "config", "data", "distributed", "distributed_env", "gpu"]
+    tests = ["amp", "benchmarks", "checkpoint", "config", "data", "distributed"]
+    tests += ["distributed_env", "gpu"]
     tests += ["gradients", "ranks", "restart", "resume", "resume_checks", "sharding"]
     tests += ["stop_signal", "timeouts", "trainer"]
     files |= {f"tests/test_{name}.py" for name in tests}

@@ -1,0 +1,346 @@
+"""What the Trainer costs per step against a plain DDP loop that does the same work.
+
+    torchrun --standalone --nproc-per-node=2 benchmarks/overhead.py
+    torchrun --standalone --nproc-per-node=gpu benchmarks/overhead.py train.mixed_precision=bf16
+
+Both train the model of `Task.build_model()` from the same seed, on the same samples in the
+same order (the project's training loader), with AdamW, the warmup-cosine schedule, clipping,
+micro-batches and `no_sync` accumulation as configured (`--config`, then `section.key=value`
+overrides). The plain loop is about thirty lines: the step and nothing else, so settings it
+does not replicate are refused (`train.compile`, `dist.comm_hook`, `dist.broadcast_buffers`).
+The Trainer adds what users get from it: loss tracking, the stop protocol
+(`checkpoint.stop_on_signals`, on by default), and its periodic work. Logging, evaluation and
+checkpoints happen every N steps; their intervals are set beyond the timed steps here, since the
+plain loop has none of them.
+
+The two run in one launch, interleaved (trainer, plain, trainer, plain, ...: `--repeats`
+pairs), so that a machine that slows down during the run slows both. Each run takes
+`--warmup-steps` untimed steps, then `--steps` timed ones, then one more untimed step, on which
+the Trainer evaluates and writes its final checkpoint. The final weights of the two must be
+bitwise equal: the same work was done, so the times compare the loops and nothing else.
+
+The Trainer is used as it is: the time at the end of each of its steps is taken by the
+`StopRequests` it is given, which it asks after every optimizer step whether to stop (the
+answer is the real protocol's). The plain loop takes the same time stamp after its steps.
+Per-step times are the differences of consecutive stamps; the median is robust to a busy
+machine's hiccups. The mean is the timed window's length over its steps, with the device
+synchronized at the two ends of the window only, so that on a GPU it counts the work done and
+not only the work queued. Each figure is the slowest rank's, then the median over the repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.lr_scheduler import LambdaLR
+
+from {{ cookiecutter.package_name }}.config import Config, ConfigError, flatten, load_config
+from {{ cookiecutter.package_name }}.data import build_train_loader
+from {{ cookiecutter.package_name }}.distributed import (
+    DistEnv,
+    all_ranks_agree,
+    detect_env,
+    is_distributed,
+    process_group,
+)
+from {{ cookiecutter.package_name }}.metrics import MetricsLogger
+from {{ cookiecutter.package_name }}.stopping import StopRequests
+from {{ cookiecutter.package_name }}.task import Task
+from {{ cookiecutter.package_name }}.trainer import (
+    AUTOCAST_DTYPES,
+    Trainer,
+    batch_split,
+    move_to_device,
+    warmup_cosine,
+)
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+#: Trainer settings that the plain loop does not replicate, and the value it assumes.
+PLAIN_LOOP_ASSUMES = {
+    "train.compile": False,
+    "dist.comm_hook": "none",
+    "dist.broadcast_buffers": True,
+}
+Weights = dict[str, torch.Tensor]
+
+
+class StepClock:
+    """Time stamps at the end of every optimizer step of one run."""
+
+    def __init__(self, device: torch.device, warmup_steps: int, steps: int) -> None:
+        self.device = device
+        self.window = (warmup_steps, warmup_steps + steps)
+        self.stamps: list[float] = []
+
+    def tick(self) -> None:
+        if len(self.stamps) + 1 in self.window and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stamps.append(time.perf_counter())
+
+    def figures(self) -> tuple[float, float]:
+        """(median, mean) seconds per step over the timed steps."""
+        first, last = self.window
+        if len(self.stamps) <= last:
+            raise RuntimeError(f"the clock saw {len(self.stamps)} steps, fewer than {last + 1}")
+        timed = self.stamps[first - 1 : last]  # the end of the warm-up, then each timed step
+        steps = [end - start for start, end in itertools.pairwise(timed)]
+        return statistics.median(steps), (timed[-1] - timed[0]) / len(steps)
+
+
+class ClockedStopRequests(StopRequests):
+    """The Trainer's stop protocol, unchanged, with a time stamp after every optimizer step."""
+
+    def __init__(self, clock: StepClock, enabled: bool, check_s: float) -> None:
+        super().__init__(enabled, check_s)
+        self.clock = clock
+
+    def agreed_after_step(self) -> bool:
+        agreed = super().agreed_after_step()
+        self.clock.tick()
+        return agreed
+
+
+def run_trainer(
+    config: Config, env: DistEnv, device: torch.device, run_dir: Path, clock: StepClock
+) -> Weights:
+    """Train with the project's Trainer; returns the final weights."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = config.checkpoint
+    stop = ClockedStopRequests(clock, checkpoint.stop_on_signals, checkpoint.stop_check_s)
+    task = Task(config.task, seed=config.run.seed)
+    metrics = MetricsLogger(run_dir, is_main=env.is_main)
+    trainer = Trainer(config, task, env, device, run_dir, metrics, stop)
+    trainer.fit()
+    metrics.close()
+    return {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
+
+
+def run_plain(
+    config: Config,
+    env: DistEnv,
+    device: torch.device,
+    clock: StepClock,
+    sync_every_micro_step: bool = False,
+) -> Weights:
+    """The same training as a plain loop; returns the final weights.
+
+    `sync_every_micro_step` all-reduces the gradients of every micro-batch instead of once per
+    optimizer step (`no_sync` off): what gradient accumulation without `no_sync` costs.
+    """
+    train, optim, seed = config.train, config.optim, config.run.seed
+    micro, accumulation = batch_split(
+        train.global_batch_size, train.micro_batch_size, env.world_size
+    )
+    task = Task(config.task, seed=seed)
+    torch.manual_seed(seed)
+    model = task_model = task.build_model().to(device)
+    if env.world_size > 1:
+        model = DistributedDataParallel(
+            task_model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=config.dist.bucket_cap_mb,
+            find_unused_parameters=config.dist.find_unused_parameters,
+            static_graph=config.dist.static_graph,
+            gradient_as_bucket_view=True,
+        )
+    random.seed(seed + env.rank)  # each rank's own dropout, as in the Trainer
+    torch.manual_seed(seed + env.rank)
+    train_set, _ = task.build_datasets()
+    loader, sampler = build_train_loader(train_set, env, config.data, micro, seed, device)
+    steps_per_epoch = len(train_set) // train.global_batch_size
+    optimizer = torch.optim.AdamW(
+        task_model.parameters(),
+        lr=optim.lr,
+        betas=optim.betas,
+        weight_decay=optim.weight_decay,
+        fused=device.type == "cuda",
+    )
+    schedule = partial(
+        warmup_cosine,
+        warmup_steps=optim.warmup_steps,
+        total_steps=train.max_steps,
+        min_lr_ratio=optim.min_lr_ratio,
+    )
+    scheduler = LambdaLR(optimizer, schedule)
+    dtype = AUTOCAST_DTYPES[train.mixed_precision]
+    scaler = torch.amp.GradScaler(device.type, enabled=train.mixed_precision == "fp16")
+    model.train()
+    for step in range(train.max_steps):
+        if step % steps_per_epoch == 0:
+            sampler.set_epoch(step // steps_per_epoch)
+            batches = iter(loader)
+        for micro_step in range(accumulation):
+            batch = move_to_device(next(batches), device)
+            sync = sync_every_micro_step or micro_step == accumulation - 1
+            with nullcontext() if sync or model is task_model else model.no_sync():
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                    loss = task.training_loss(model, batch)
+                scaler.scale(loss / accumulation).backward()
+        scaler.unscale_(optimizer)
+        if optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(task_model.parameters(), optim.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        clock.tick()
+    return {name: value.detach().clone() for name, value in task_model.state_dict().items()}
+
+
+def benchmark_config(
+    path: Path | None, overrides: list[str], warmup_steps: int, steps: int
+) -> Config:
+    """The config to compare with: the user's, with the run's length and intervals set here.
+
+    Logging, evaluation and checkpoints fall on the last step only, after the timed ones.
+    Settings that the plain loop does not replicate are refused.
+    """
+    total = warmup_steps + steps + 1
+    fixed = [f"train.max_steps={total}", f"train.log_every={total}", f"train.eval_every={total}"]
+    fixed += [f"checkpoint.every_steps={total}", "checkpoint.resume=false"]
+    config = load_config(path, [*overrides, *fixed])
+    settings = flatten(config.to_dict())
+    changed = [
+        f"{key}={settings[key]}"
+        for key, assumed in PLAIN_LOOP_ASSUMES.items()
+        if settings.get(key, assumed) != assumed
+    ]
+    if changed:
+        raise ConfigError(
+            f"the plain loop does not replicate {', '.join(changed)}: leave them at their "
+            "defaults to compare the two loops"
+        )
+    return config
+
+
+def slowest(value: float) -> float:
+    """The largest of every rank's `value`."""
+    if not is_distributed():
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor)
+
+
+def shared_temporary_dir(env: DistEnv) -> Path:
+    """A new directory made by rank 0, whose name every rank receives."""
+    name = [tempfile.mkdtemp(prefix="overhead-") if env.is_main else None]
+    if is_distributed():
+        dist.broadcast_object_list(name, src=0)
+    return Path(name[0])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Step time of the Trainer against a plain DDP loop doing the same work, "
+        "interleaved in one launch (run under torchrun).",
+        epilog="Example: torchrun --standalone --nproc-per-node=2 benchmarks/overhead.py "
+        "train.micro_batch_size=64",
+    )
+    parser.add_argument(
+        "--config", type=Path, default=DEFAULT_CONFIG, help="YAML config (default: %(default)s)"
+    )
+    parser.add_argument("--warmup-steps", type=int, default=100, help="untimed steps per run")
+    parser.add_argument("--steps", type=int, default=500, help="timed steps per run")
+    parser.add_argument("--repeats", type=int, default=3, help="pairs of runs, interleaved")
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        help="for the Trainer's final checkpoints (default: a temporary "
+        "directory; give a shared one when the ranks run on several machines)",
+    )
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    args = parser.parse_args(argv)
+    if args.warmup_steps < 1 or args.steps < 2 or args.repeats < 1:
+        parser.error("--warmup-steps must be at least 1, --steps at least 2, --repeats at least 1")
+    return args
+
+
+def report(runs: dict[str, list[tuple[float, float]]], equal: bool, env: DistEnv) -> dict:
+    """The medians over the repeats, and the table printed on rank 0."""
+    figures = {
+        name: {
+            "median_step_s": statistics.median(median for median, _ in pairs),
+            "mean_step_s": statistics.median(mean for _, mean in pairs),
+            "runs": [{"median_step_s": median, "mean_step_s": mean} for median, mean in pairs],
+        }
+        for name, pairs in runs.items()
+    }
+    trainer, plain = figures["trainer"], figures["plain"]
+    ratio = {key: trainer[key] / plain[key] for key in ("median_step_s", "mean_step_s")}
+    lines = [
+        f"{'':<16} {'median ms/step':>15} {'mean ms/step':>13}",
+        *(
+            f"{name:<16} {row['median_step_s'] * 1e3:>15.4f} {row['mean_step_s'] * 1e3:>13.4f}"
+            for name, row in figures.items()
+        ),
+        f"{'trainer / plain':<16} {ratio['median_step_s']:>15.4f} {ratio['mean_step_s']:>13.4f}",
+        f"final weights bitwise equal: {'yes' if equal else 'NO'}",
+    ]
+    if env.is_main:
+        print("\n".join(lines), flush=True)
+    return {
+        "world_size": env.world_size,
+        "weights_bitwise_equal": equal,
+        "ratio_median": ratio["median_step_s"],
+        "ratio_mean": ratio["mean_step_s"],
+        **figures,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    env = detect_env()
+    try:
+        config = benchmark_config(args.config, args.overrides, args.warmup_steps, args.steps)
+        batch_split(config.train.global_batch_size, config.train.micro_batch_size, env.world_size)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    with process_group(env, config.dist) as device:
+        root = args.run_dir or shared_temporary_dir(env)
+        runs: dict[str, list[tuple[float, float]]] = {"trainer": [], "plain": []}
+        equal = True
+        for repeat in range(args.repeats):
+            weights = {}
+            for name in runs:
+                clock = StepClock(device, args.warmup_steps, args.steps)
+                if name == "trainer":
+                    weights[name] = run_trainer(
+                        config, env, device, root / f"trainer-{repeat}", clock
+                    )
+                else:
+                    weights[name] = run_plain(config, env, device, clock)
+                median, mean = clock.figures()
+                runs[name].append((slowest(median), slowest(mean)))
+                gc.collect()
+            trainer, plain = weights["trainer"], weights["plain"]
+            same = trainer.keys() == plain.keys()
+            equal &= all_ranks_agree(same and all(torch.equal(trainer[k], plain[k]) for k in plain))
+        record = report(runs, equal, env)
+        if env.is_main:
+            if args.json:
+                args.json.write_text(json.dumps(record, indent=2) + "\n")
+            if args.run_dir is None:
+                shutil.rmtree(root, ignore_errors=True)
+    return 0 if equal else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
