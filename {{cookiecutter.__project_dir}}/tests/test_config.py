@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import enum
+import json
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal, Optional
 
 import pytest
 import yaml
 
+import {{ cookiecutter.package_name }}.config as config_module
 from {{ cookiecutter.package_name }}.config import (
     Config,
     ConfigError,
+    TaskConfig,
+    flatten,
     from_dict,
     load_config,
+    settings,
     to_yaml,
 )
-from {{ cookiecutter.package_name }}.train import main
+from {{ cookiecutter.package_name }}.resume import changed_settings
+from {{ cookiecutter.package_name }}.train import main, parse_args
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,3 +125,216 @@ def test_bad_config_exits_2_before_training(
     assert main([f"run.dir={run_dir}", "train.epochz=1"]) == 2
     assert "error: unknown key(s) train.epochz" in capsys.readouterr().err
     assert not run_dir.exists()
+
+
+class Mode(enum.Enum):
+    SLOW = "slow"
+    FAST = "fast"
+
+
+@dataclass
+class Encoder:
+    #: Blocks in the encoder.
+    depth: int = 2
+    #: Width multiplier.
+    width: float = 1.0
+
+
+@dataclass
+class UserTask(TaskConfig):
+    """The shipped task with a field of each kind of setting that a user may add."""
+
+    #: Where the outputs go.
+    out: Path = Path("runs/out")
+    #: At most this many; null: no limit.
+    limit: int | None = None
+    #: An optional label.
+    label: Optional[str] = None  # noqa: UP045 (users write Optional too)
+    #: Layer sizes.
+    sizes: list[int] = field(default_factory=lambda: [1, 2])
+    #: Any number of dimensions.
+    shape: tuple[int, ...] = (3, 4)
+    #: Exactly a pair.
+    pair: tuple[str, float] = ("a", 0.5)
+    #: Weight per class.
+    weights: dict[str, float] = field(default_factory=dict)
+    #: A choice of strings.
+    kind: Literal["a", "b"] = "a"
+    #: A choice of enum values.
+    mode: Mode = Mode.SLOW
+    #: A dataclass inside the section.
+    encoder: Encoder = field(default_factory=Encoder)
+
+
+@dataclass
+class UserConfig(Config):
+    task: UserTask = field(default_factory=UserTask)
+
+
+@pytest.fixture
+def user_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader, --print-config and --help see UserTask's fields as if added to TaskConfig."""
+    monkeypatch.setattr(config_module, "Config", UserConfig)
+
+
+#: One override per kind of setting, and the value it sets.
+TYPED_OVERRIDES = [
+    ("run.dir=runs/exp1", "runs/exp1"),
+    ("train.epochs=9", 9),
+    ("optim.lr=1e-4", 1e-4),
+    ("dist.static_graph=true", True),
+    ("task.out=/data/out", Path("/data/out")),
+    ("task.limit=5", 5),
+    ("task.limit=null", None),
+    ("task.label=cats", "cats"),
+    ("task.sizes=[3, 4, 5]", [3, 4, 5]),
+    ("task.shape=[7]", (7,)),
+    ("task.pair=[b, 2]", ("b", 2.0)),
+    ("task.weights={a: 1, b: 0.5}", {"a": 1.0, "b": 0.5}),
+    ("task.kind=b", "b"),
+    ("task.mode=fast", Mode.FAST),
+    ("task.encoder.depth=4", 4),
+]
+OVERRIDES = [override for override, _ in TYPED_OVERRIDES]
+OVERRIDE_IDS = [override.partition("=")[0] for override in OVERRIDES]
+
+
+def setting(config: Config, key: str) -> Any:
+    """The value of `section.key` (or `section.sub.key`) in `config`."""
+    value: Any = config
+    for name in key.split("."):
+        value = getattr(value, name)
+    return value
+
+
+@pytest.mark.usefixtures("user_fields")
+@pytest.mark.parametrize(("override", "expected"), TYPED_OVERRIDES, ids=OVERRIDE_IDS)
+def test_override_sets_a_value_of_the_declared_type(override: str, expected: Any) -> None:
+    value = setting(load_config(None, [override]), override.partition("=")[0])
+    assert (value, type(value)) == (expected, type(expected))
+
+
+@pytest.mark.usefixtures("user_fields")
+@pytest.mark.parametrize("override", OVERRIDES, ids=OVERRIDE_IDS)
+def test_overridden_config_round_trips_through_a_yaml_file(override: str, tmp_path: Path) -> None:
+    """What --print-config and config.yaml hold loads back as the same config."""
+    config = load_config(None, [override])
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(config))
+    assert load_config(path) == config
+
+
+@pytest.mark.usefixtures("user_fields")
+@pytest.mark.parametrize("override", OVERRIDES, ids=OVERRIDE_IDS)
+def test_checkpointed_dict_is_plain_json_and_rebuilds_the_config(override: str) -> None:
+    """Checkpoints store `to_dict()`: only JSON types (Path: str, Enum: value, tuple: list)."""
+    config = load_config(None, [override])
+    assert from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
+@pytest.mark.usefixtures("user_fields")
+@pytest.mark.parametrize("override", OVERRIDES, ids=OVERRIDE_IDS)
+def test_print_config_prints_what_the_override_set(
+    override: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--print-config", override]) == 0
+    path = tmp_path / "printed.yaml"
+    path.write_text(capsys.readouterr().out)
+    assert load_config(path) == load_config(None, [override])
+
+
+@pytest.mark.usefixtures("user_fields")
+def test_print_config_writes_paths_enums_and_tuples_as_plain_yaml(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["--print-config"]) == 0
+    task = yaml.safe_load(capsys.readouterr().out)["task"]
+    assert (task["out"], task["mode"], task["shape"]) == ("runs/out", "slow", [3, 4])
+    assert task["encoder"] == {"depth": 2, "width": 1.0}
+
+
+@pytest.mark.usefixtures("user_fields")
+def test_nested_override_keeps_the_other_nested_values() -> None:
+    config = load_config(None, ["task.encoder.width=2"])
+    assert config.task.encoder == Encoder(depth=2, width=2.0)
+
+
+@pytest.mark.usefixtures("user_fields")
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("task.out=3", "task.out must be of type Path, got 3 (int)"),
+        ("task.limit=many", "task.limit must be of type int | None, got 'many' (str)"),
+        ("task.limit=true", "task.limit must be of type int | None, got True (bool)"),
+        ("task.sizes=3", "task.sizes must be of type list[int], got 3 (int)"),
+        ("task.sizes=[1, x]", "task.sizes[1] must be of type int, got 'x' (str)"),
+        ("task.shape=[1.5]", "task.shape[0] must be of type int, got 1.5 (float)"),
+        ("task.pair=[b]", "task.pair must be a list of 2 values"),
+        ("task.weights=[1]", "task.weights must be of type dict[str, float]"),
+        ("task.weights={a: x}", "task.weights.a must be of type float, got 'x' (str)"),
+        ("task.weights={1: 2}", "a key of task.weights must be of type str, got 1 (int)"),
+        ("task.kind=c", "task.kind must be one of a, b; got 'c'"),
+        ("task.mode=FAST", "task.mode must be one of slow, fast; got 'FAST'"),
+        ("task.encoder=3", "task.encoder must be a mapping, got 3"),
+        ("task.encoder.depth=yes", "task.encoder.depth must be of type int, got True (bool)"),
+    ],
+)
+def test_bad_value_names_the_key_and_the_expected_type(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [override])
+
+
+@pytest.mark.usefixtures("user_fields")
+def test_unknown_nested_key_lists_the_valid_ones() -> None:
+    message = "unknown key(s) task.encoder.dept in task.encoder; valid keys: depth, width"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, ["task.encoder.dept=3"])
+
+
+@pytest.mark.usefixtures("user_fields")
+def test_flatten_opens_nested_sections_but_not_dict_settings() -> None:
+    """Names are those of the overrides; a dict setting is one value, as it is overridden."""
+    flat = flatten(load_config(None, ["task.weights={a: 1}"]).to_dict())
+    assert (flat["task.encoder.depth"], flat["task.weights"]) == (2, {"a": 1.0})
+    assert "task.weights.a" not in flat
+
+
+@pytest.mark.usefixtures("user_fields")
+def test_resume_sees_a_key_added_to_a_dict_setting_as_a_change() -> None:
+    saved = UserConfig().to_dict()
+    current = load_config(None, ["task.weights={a: 1}", "task.encoder.depth=3"]).to_dict()
+    assert changed_settings(saved, current) == {
+        "task.weights": ({}, {"a": 1.0}),
+        "task.encoder.depth": (2, 3),
+    }
+
+
+def help_settings(capsys: pytest.CaptureFixture[str]) -> dict[str, tuple[str, str, str]]:
+    """`section.key` -> (default, type, help line) as `--help` lists them."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--help"])
+    assert exit_info.value.code == 0
+    found = re.findall(r"^  (\S+?)=(.*)  \((.+)\)\n {6}(.*)$", capsys.readouterr().out, re.M)
+    return {key: (default, kind, text) for key, default, kind, text in found}
+
+
+def test_help_lists_every_setting_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:
+    listed = help_settings(capsys)
+    defaults = flatten(Config().to_dict())
+    assert list(listed) == list(defaults)
+    assert {key: yaml.safe_load(default) for key, (default, _, _) in listed.items()} == defaults
+
+
+def test_every_shipped_setting_has_a_help_line() -> None:
+    """A setting without a `#:` comment above its field would be listed without a description."""
+    assert [entry.key for entry in settings() if not entry.help] == []
+
+
+@pytest.mark.usefixtures("user_fields")
+def test_help_lists_user_fields_with_type_and_comment(capsys: pytest.CaptureFixture[str]) -> None:
+    listed = help_settings(capsys)
+    assert listed["task.encoder.depth"] == ("2", "int", "Blocks in the encoder.")
+    assert listed["task.limit"] == ("null", "int | None", "At most this many; null: no limit.")
+    assert listed["task.mode"][:2] == ("slow", "slow|fast")
+    assert listed["task.weights"][:2] == ("{}", "dict[str, float]")
+    assert listed["task.out"][:2] == ("runs/out", "Path")
