@@ -10,17 +10,22 @@ cookiecutter loads `FormatFilters` through `_extensions` in cookiecutter.json an
 directory on `sys.path` while it renders. The pre-generation hook loads this file too, for the
 slug rule that also names the project directory; it finds it through the `template_dir` global,
 because cookiecutter may give the hook a template path relative to a directory it has left.
+
+The extension is loaded before the first question too, which is where `ConditionalQuestions`
+takes effect: it leaves out the questions that an earlier answer makes pointless.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shlex
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
+from cookiecutter import prompt
 from jinja2 import Environment
 from jinja2.ext import Extension
 
@@ -161,11 +166,76 @@ FILTERS: dict[str, Callable[..., str]] = {
 }
 
 
+#: The functions of `cookiecutter.prompt` that ask one question each: (name, value) -> answer,
+#: where the value is the default, or the list of choices whose first is the default.
+QUESTION_FUNCTIONS = ("read_user_variable", "read_user_yes_no", "read_user_choice")
+
+
+@functools.cache
+def ask_only_if_rules() -> tuple[tuple[dict[str, object], frozenset[str]], ...]:
+    """cookiecutter.json's `_ask_only_if`: (answers that must have been given, the questions
+    asked only then)."""
+    template = json.loads((TEMPLATE_DIR / "cookiecutter.json").read_text(encoding="utf-8"))
+    return tuple((rule["when"], frozenset(rule["ask"])) for rule in template["_ask_only_if"])
+
+
+class ConditionalQuestions:
+    """Leaves out the questions that earlier answers make pointless (no Slurm details after
+    "no" to use_slurm), by the `_ask_only_if` rules of cookiecutter.json.
+
+    cookiecutter has no conditional questions (its issues 913, 1021 and 1914), so this wraps the
+    functions of `cookiecutter.prompt` that ask one question each: every answer is remembered,
+    and a question that an earlier answer rules out is given its default without being asked.
+    Only questions go through them: `--no-input` with `key=value` overrides, replay files and
+    cruft's updates set every key exactly as before, and the pre-generation hook validates them
+    all. A cookiecutter without these functions asks every question, as without this class.
+    """
+
+    def __init__(self) -> None:
+        self.answers: dict[str, object] = {}
+
+    def is_ruled_out(self, name: str) -> bool:
+        """Whether an answer given so far differs from one that a rule asks `name` after; an
+        answer not given yet rules nothing out."""
+        return any(
+            self.answers.get(key, value) != value
+            for when, asked in ask_only_if_rules()
+            if name in asked
+            for key, value in when.items()
+        )
+
+    def wrap(self, ask: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(ask)
+        def ask_unless_ruled_out(name: str, value: object, *args: Any, **kwargs: Any) -> Any:
+            if self.is_ruled_out(name):
+                answer = value[0] if isinstance(value, list) else value
+            else:
+                answer = ask(name, value, *args, **kwargs)
+            self.answers[name] = answer
+            return answer
+
+        ask_unless_ruled_out.conditional = True  # type: ignore[attr-defined]
+        return ask_unless_ruled_out
+
+    def install(self) -> None:
+        """Wrap cookiecutter's question functions once, and forget earlier answers: cookiecutter
+        makes a new Jinja environment before the first question of every generation."""
+        self.answers.clear()
+        for name in QUESTION_FUNCTIONS:
+            ask = getattr(prompt, name, None)
+            if ask is not None and not getattr(ask, "conditional", False):
+                setattr(prompt, name, self.wrap(ask))
+
+
+QUESTIONS = ConditionalQuestions()
+
+
 class FormatFilters(Extension):
     """Registers `FILTERS`, and `template_dir` for the hooks, in cookiecutter's Jinja
-    environment."""
+    environment, and leaves out pointless questions (`ConditionalQuestions`)."""
 
     def __init__(self, environment: Environment) -> None:
         super().__init__(environment)
         environment.filters.update(FILTERS)
         environment.globals["template_dir"] = str(TEMPLATE_DIR)
+        QUESTIONS.install()

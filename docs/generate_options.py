@@ -21,15 +21,25 @@ def _yes_no(value: object) -> object:
     return {True: "yes", False: "no"}.get(value, value) if isinstance(value, bool) else value
 
 
+def _answers(when: dict) -> str:
+    """A rule's answers, as `key=value` in the page's words."""
+    return " and ".join(f"`{key}={_yes_no(value)}`" for key, value in when.items())
+
+
 def render_options_page(context: dict) -> str:
     """The Markdown page: one row per option, then the rules that reject combinations."""
     prompts = context.get("__prompts__", {})
+    asked_only_when = {
+        name: rule["when"] for rule in context.get("_ask_only_if", []) for name in rule["ask"]
+    }
     lines = [
         "# Template options",
         "",
         "Generated from `cookiecutter.json` by `docs/generate_options.py`; do not edit by hand.",
         "Pass any of them on the command line, e.g.",
         "`cookiecutter gh:org/ddp-template --no-input use_slurm=no tracker=wandb`.",
+        "A question asked only after certain answers keeps its default when it is not asked;",
+        "on the command line it can always be set.",
         "",
         "| option | question | default | choices |",
         "| --- | --- | --- | --- |",
@@ -43,6 +53,8 @@ def render_options_page(context: dict) -> str:
             prompt = prompt.get("__prompt__", "")
         else:
             labels = {}
+        if name in asked_only_when:
+            prompt += f"; asked only after {_answers(asked_only_when[name])}"
         if isinstance(value, list):
             default = f"`{value[0]}`"
             choices = ", ".join(

@@ -301,7 +301,7 @@ def same_as_template(name: str, value: object, answers: Answers) -> str | None:
 
 
 def not_taken_from_answers(name: str, value: object, answers: Answers) -> str | None:
-    """Read from the template itself (rules) or only used before this hook (prompts)."""
+    """Read from the template itself (rules) or only used before this hook (questions)."""
     return None
 
 
@@ -340,6 +340,7 @@ VALIDATORS: dict[str, Validator] = {
     "__project_dir": project_dir,
     "_extensions": same_as_template,
     "_invalid_combinations": not_taken_from_answers,
+    "_ask_only_if": not_taken_from_answers,
     "__prompts__": not_taken_from_answers,
     "_template": set_by_cookiecutter,
     "_output_dir": set_by_cookiecutter,
