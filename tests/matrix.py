@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,22 +37,36 @@ def valid_combinations() -> list[dict]:
     return [combo for combo in every if not is_refused(combo)]
 
 
-def _pairs(combo: dict) -> set[tuple]:
-    return set(itertools.combinations(sorted(combo.items(), key=str), 2))
+def _tuples(combo: dict, names: Iterable[str], strength: int) -> set[tuple]:
+    """The `strength`-sized sets of (option, value) that `combo` holds among `names`."""
+    chosen = sorted((name, combo[name]) for name in names)
+    return set(itertools.combinations(chosen, strength))
+
+
+def cover(
+    strength: int = 2, names: Iterable[str] = CHOICES, start: Iterable[dict] = (DEFAULTS,)
+) -> list[dict]:
+    """A small set of valid combinations in which every `strength` values of the options
+    `names` that can occur together occur at least once (strength 2: every pair; 1: every
+    value): the combinations of `start`, then greedy and deterministic choices, where the
+    options outside `names` keep their first (default) values wherever they can."""
+    names = list(names)
+    candidates = valid_combinations()
+    uncovered = set().union(*(_tuples(combo, names, strength) for combo in candidates))
+    chosen = list(start)
+    for combo in chosen:
+        uncovered -= _tuples(combo, names, strength)
+    while uncovered:
+        best = max(candidates, key=lambda combo: len(_tuples(combo, names, strength) & uncovered))
+        chosen.append(best)
+        uncovered -= _tuples(best, names, strength)
+    return chosen
 
 
 def pairwise_cover() -> list[dict]:
-    """A small set of valid combinations in which every pair of option values that can occur
-    together occurs at least once. Greedy and deterministic; the default comes first."""
-    candidates = valid_combinations()
-    uncovered = set().union(*(_pairs(combo) for combo in candidates))
-    chosen = [DEFAULTS]
-    uncovered -= _pairs(DEFAULTS)
-    while uncovered:
-        best = max(candidates, key=lambda combo: len(_pairs(combo) & uncovered))
-        chosen.append(best)
-        uncovered -= _pairs(best)
-    return chosen
+    """Every pair of option values that can occur together, in few combinations; the default
+    comes first."""
+    return cover(2)
 
 
 def combo_id(combo: dict) -> str:

@@ -2,6 +2,14 @@
 
 The combinations come from cookiecutter.json (choice lists and booleans), filtered by the
 `_invalid_combinations` table that the pre-generation hook enforces; nothing is listed by hand.
+
+Every combination is checked through its files: a file's rendered text depends only on the
+options it reads (tests/variants.py), so each template file is rendered once per distinct value
+of those options, and each such variant is checked (no leftover Jinja, it parses, ruff,
+shellcheck, hadolint, the CI services' schemas). The file set, the recorded answers and the
+Apptainer definition are then checked for every combination. A pairwise cover of the options
+is also rendered whole by cookiecutter and checked end to end, which shows as well that the
+variants are rendered exactly as cookiecutter renders them.
 """
 
 from __future__ import annotations
@@ -19,17 +27,34 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+import variants
 import yaml
 from cookiecutter.main import cookiecutter
-from matrix import CHOICES, ROOT, combo_id, valid_combinations
+from matrix import (
+    CHOICES,
+    DEFAULTS,
+    ROOT,
+    combo_id,
+    is_refused,
+    pairwise_cover,
+    valid_combinations,
+)
+from variants import (
+    ALL_OPTIONS,
+    Forest,
+    context_for,
+    dependencies,
+    grow_forest,
+    kept_files,
+    references,
+    render_file,
+    template_files,
+)
 
 BIN = Path(sys.executable).parent
 LEFTOVER_JINJA = ("{{ cookiecutter.", "{{cookiecutter.", "{%", "{#")
-# One xdist group per combination: under `pytest -n`, a combination's checks share one render.
-COMBINATIONS = [
-    pytest.param(combo, id=combo_id(combo), marks=pytest.mark.xdist_group(combo_id(combo)))
-    for combo in valid_combinations()
-]
+#: Files that configure a file's linter, rendered beside each variant of that file.
+COMPANIONS = {infile: ["pyproject.toml"] for infile in template_files() if infile.endswith(".py")}
 
 
 def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
@@ -74,6 +99,267 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
     return files
 
 
+def tool(name: str) -> str:
+    """A linter from the test environment (requirements-test.txt)."""
+    path = BIN / name if (BIN / name).exists() else shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed: pip install -r requirements-test.txt")
+    return str(path)
+
+
+def run_tool(command: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, capture_output=True, text=True, **kwargs)
+
+
+APPTAINER_SECTIONS = {"help", "labels", "files", "post", "environment", "runscript", "test"}
+
+
+def parse_definition(text: str) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """An Apptainer definition file: its header (key: value) and its %sections' lines."""
+    header: dict[str, str] = {}
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("%"):
+            current = sections.setdefault(stripped[1:].split()[0], [])
+        elif current is not None:
+            if stripped and not stripped.startswith("#"):
+                current.append(stripped)
+        elif stripped and not stripped.startswith("#"):
+            key, _, value = stripped.partition(":")
+            header[key.strip()] = value.strip()
+    return header, sections
+
+
+def assert_apptainer_definition_builds_from_the_dockerfile_image(
+    definition: str, dockerfile: str, files: set[str]
+) -> None:
+    """No Apptainer linter installs here: check the header, the sections and that every path
+    copied into the image is one of the project's `files` or a directory of them."""
+    header, sections = parse_definition(definition)
+    image = re.search(r"^FROM (\S+)", dockerfile, re.MULTILINE)
+    assert header == {"Bootstrap": "docker", "From": image.group(1)}
+    assert {"files", "post", "runscript"} <= set(sections) <= APPTAINER_SECTIONS
+    for line in sections["files"]:
+        source = line.split()[0]
+        assert any(path == source or path.startswith(f"{source}/") for path in files), line
+
+
+#: The CI services' files and the schemas they validate against.
+CI_SCHEMAS = {
+    ".github/workflows/ci.yml": "vendor.github-workflows",
+    ".gitlab-ci.yml": "vendor.gitlab-ci",
+}
+
+
+def test_matrix_covers_every_value_and_leaves_out_the_refused_combinations() -> None:
+    combos = valid_combinations()
+    for name, values in CHOICES.items():
+        assert {combo[name] for combo in combos} == set(values), name
+    assert 0 < len(combos) < math.prod(len(values) for values in CHOICES.values())
+
+
+# The scan for the options a file reads: it finds every read, and gives up (every option)
+# wherever it cannot tell.
+
+
+@pytest.mark.parametrize(
+    ("source", "found"),
+    [
+        ("{{ cookiecutter.license }}", {"license"}),
+        ("{{ cookiecutter['license'] }}", {"license"}),
+        ("{% if cookiecutter.ci == 'github' %}x{% endif %}", {"ci"}),
+        (
+            "{{ cookiecutter.project_name | python_string(cookiecutter.tracker) }}",
+            {"project_name", "tracker"},
+        ),
+        ("{% set t = cookiecutter.tracker %}{% for x in [t] %}{{ x }}{% endfor %}", {"tracker"}),
+        ("{% macro m() %}{{ cookiecutter.use_docker }}{% endmacro %}{{ m() }}", {"use_docker"}),
+        ("{{ '{{ cookiecutter.license }}' }} plain text cookiecutter.ci", set()),
+        ("src/{{cookiecutter.package_name}}/tracker.py", {"package_name"}),
+    ],
+)
+def test_scan_finds_every_variable_a_template_reads(source: str, found: set[str]) -> None:
+    assert references(source) == found
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ cookiecutter | tojson }}",
+        "{% for key, value in cookiecutter.items() %}{{ value }}{% endfor %}",
+        "{{ cookiecutter[name] }}",
+        "{{ cookiecutter.get('license') }}",
+        "{% set c = cookiecutter %}{{ c.license }}",
+        "{{ _cookiecutter.license }}",
+        "{{ license }}",
+        "{% include 'other.txt' %}",
+        "{% import 'macros.txt' as macros %}",
+        "{% extends 'base.txt' %}",
+    ],
+)
+def test_scan_gives_up_on_reads_it_cannot_pin_down(source: str) -> None:
+    """None: the file then depends on every option."""
+    assert references(source) is None
+
+
+def test_a_derived_variable_depends_on_what_its_default_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(
+        variants.CONTEXT, "image", "{{ cookiecutter.license }}-{{ cookiecutter.ci }}"
+    )
+    monkeypatch.setitem(variants.CONTEXT, "tag", "{{ cookiecutter.image | lower }}")
+    variants.variable_dependencies.cache_clear()
+    try:
+        assert variants.variable_dependencies("tag") == {"license", "ci"}
+    finally:
+        variants.variable_dependencies.cache_clear()
+
+
+def test_a_file_that_reads_the_whole_context_depends_on_every_option() -> None:
+    assert dependencies(".cookiecutter.json") == ALL_OPTIONS
+
+
+def test_every_file_renders_alike_whatever_the_options_it_does_not_read() -> None:
+    """The scan, tried against the renders: from the default combination, changing any one
+    option that a file does not read to any other value leaves the file unchanged."""
+    env = variants.environment()
+    default_files = kept_files(DEFAULTS)
+    for infile in default_files:
+        if variants.is_binary(str(variants.TEMPLATE / infile)):
+            continue
+        template = env.get_template(infile)
+        expected = template.render(**context_for(DEFAULTS))
+        for name in sorted(ALL_OPTIONS - dependencies(infile)):
+            for value in CHOICES[name]:
+                combo = {**DEFAULTS, name: value}
+                if not is_refused(combo) and infile in kept_files(combo):
+                    assert template.render(**context_for(combo)) == expected, (infile, name, value)
+
+
+# Every combination, through the variants of its files: one worker renders them once.
+
+
+@pytest.fixture(scope="session")
+def forest(tmp_path_factory: pytest.TempPathFactory) -> Forest:
+    return grow_forest(tmp_path_factory.mktemp("variants"), COMPANIONS)
+
+
+def variants_with_suffix(forest: Forest, *suffixes: str) -> list[Path]:
+    return [path for path in forest.files() if path.suffix in suffixes]
+
+
+every_combination = pytest.mark.xdist_group("variants")
+
+
+@every_combination
+def test_every_variant_has_no_leftover_jinja(forest: Forest) -> None:
+    leftovers = [
+        forest.describe(path)
+        for path in forest.files()
+        if not variants.is_binary(str(path))
+        and any(mark in path.read_text() for mark in LEFTOVER_JINJA)
+    ]
+    assert not leftovers
+
+
+@every_combination
+def test_every_python_variant_compiles(forest: Forest) -> None:
+    for path in variants_with_suffix(forest, ".py"):
+        try:
+            ast.parse(path.read_text(), filename=str(path))
+        except SyntaxError as error:
+            pytest.fail(f"{forest.describe(path)}: {error}")
+
+
+@every_combination
+def test_every_data_file_variant_parses(forest: Forest) -> None:
+    """YAML, TOML and JSON files all load."""
+    loaders = {".yaml": yaml.safe_load, ".yml": yaml.safe_load, ".toml": tomllib.loads}
+    for path in variants_with_suffix(forest, ".yaml", ".yml", ".toml", ".json"):
+        try:
+            loaders.get(path.suffix, json.loads)(path.read_text())
+        except ValueError as error:  # each parser's errors are ValueErrors
+            pytest.fail(f"{forest.describe(path)}: {error}")
+
+
+@every_combination
+@pytest.mark.parametrize("command", [["check"], ["format", "--check"]], ids=["check", "format"])
+def test_every_python_variant_passes_ruff(forest: Forest, command: list[str]) -> None:
+    """Each file as its project's ruff configuration (the pyproject.toml beside it, rendered
+    for the same options) checks and formats it: one ruff run over every variant."""
+    result = run_tool(
+        [tool("ruff"), *command, "--no-cache", "--output-format=concise", "."], cwd=forest.root
+    )
+    assert result.returncode == 0, forest.explain(result.stdout + result.stderr)
+
+
+@every_combination
+def test_every_shell_script_variant_passes_bash_and_shellcheck(forest: Forest) -> None:
+    scripts = variants_with_suffix(forest, ".sh", ".sbatch")
+    assert scripts
+    for path in scripts:
+        result = run_tool(["bash", "-n", str(path)])
+        assert result.returncode == 0, forest.explain(result.stderr)
+    result = run_tool([tool("shellcheck"), *map(str, scripts)])
+    assert result.returncode == 0, forest.explain(result.stdout + result.stderr)
+
+
+@every_combination
+def test_every_dockerfile_variant_passes_hadolint(forest: Forest) -> None:
+    dockerfiles = [path for path in forest.files() if path.name == "Dockerfile"]
+    assert dockerfiles
+    result = run_tool([tool("hadolint"), *map(str, dockerfiles)])
+    assert result.returncode == 0, forest.explain(result.stdout + result.stderr)
+
+
+@every_combination
+@pytest.mark.parametrize("ci_file", CI_SCHEMAS)
+def test_every_ci_variant_matches_its_schema(forest: Forest, ci_file: str) -> None:
+    """GitHub and GitLab files validate against the services' published schemas."""
+    files = [path for path in forest.files() if str(path).endswith(f"/{ci_file}")]
+    assert files
+    command = [tool("check-jsonschema"), "--builtin-schema", CI_SCHEMAS[ci_file]]
+    result = run_tool([*command, *map(str, files)])
+    assert result.returncode == 0, forest.explain(result.stdout + result.stderr)
+
+
+@every_combination
+def test_every_combination_records_every_answer(forest: Forest) -> None:
+    """Each option given arrives in the project's recorded answers (no silent typo)."""
+    for combo in forest.combos:
+        recorded = json.loads(forest.path(".cookiecutter.json", combo).read_text())
+        answers = recorded["cookiecutter"]
+        assert {key: answers[key] for key in combo} == combo
+
+
+def test_every_combination_has_exactly_the_expected_files() -> None:
+    """The post-generation hook's table keeps the files that `expected_files` lists."""
+    for combo in valid_combinations():
+        assert set(kept_files(combo).values()) == expected_files(combo), combo_id(combo)
+
+
+@every_combination
+def test_every_combination_builds_its_apptainer_image_from_its_dockerfile_image(
+    forest: Forest,
+) -> None:
+    for combo in forest.combos:
+        files = kept_files(combo)
+        if "apptainer.def" not in files:
+            assert "Dockerfile" not in files
+            continue
+        assert_apptainer_definition_builds_from_the_dockerfile_image(
+            forest.path("apptainer.def", combo).read_text(),
+            forest.path("Dockerfile", combo).read_text(),
+            set(files.values()),
+        )
+
+
+# Whole projects: a pairwise cover of the options, rendered by cookiecutter.
+
+
 @pytest.fixture(scope="session")
 def render_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("renders")
@@ -99,28 +385,26 @@ def project_files(project: Path) -> set[str]:
 _LINT_PASSED: set[tuple[str, ...]] = set()
 
 
-def tool(name: str) -> str:
-    """A linter from the test environment (requirements-test.txt)."""
-    path = BIN / name if (BIN / name).exists() else shutil.which(name)
-    if path is None:
-        pytest.fail(f"{name} is not installed: pip install -r requirements-test.txt")
-    return str(path)
-
-
 def lint_once(command: list[str], path: Path) -> None:
     """Run a linter on one file unless identical content already passed the same command."""
     key = (*command, hashlib.sha1(path.read_bytes()).hexdigest())
     if key in _LINT_PASSED:
         return
-    result = subprocess.run([*command, str(path)], capture_output=True, text=True)
+    result = run_tool([*command, str(path)])
     assert result.returncode == 0, f"{command[0]} {path.name}:\n{result.stdout}{result.stderr}"
     _LINT_PASSED.add(key)
 
 
-@pytest.mark.parametrize("combo", COMBINATIONS)
-class TestEveryCombination:
+# One xdist group per combination: under `pytest -n`, a combination's checks share one render.
+COVER = [
+    pytest.param(combo, id=combo_id(combo), marks=pytest.mark.xdist_group(combo_id(combo)))
+    for combo in pairwise_cover()
+]
+
+
+@pytest.mark.parametrize("combo", COVER)
+class TestPairwiseCoverRendersWhole:
     def test_records_every_answer(self, render_root: Path, combo: dict) -> None:
-        """Each option given arrives in the project's recorded answers (no silent typo)."""
         project = render(render_root, combo)
         answers = json.loads((project / ".cookiecutter.json").read_text())["cookiecutter"]
         assert {key: answers[key] for key in combo} == combo
@@ -128,9 +412,18 @@ class TestEveryCombination:
     def test_has_exactly_the_expected_files(self, render_root: Path, combo: dict) -> None:
         assert project_files(render(render_root, combo)) == expected_files(combo)
 
-    def test_has_no_leftover_jinja(self, render_root: Path, combo: dict) -> None:
+    def test_every_file_is_rendered_as_its_variant_is(
+        self, render_root: Path, combo: dict, tmp_path: Path
+    ) -> None:
+        """The variants' renderer writes what cookiecutter writes, byte for byte and mode."""
         project = render(render_root, combo)
-        for path in project.rglob("*"):
+        for infile, path in kept_files(combo).items():
+            variant = render_file(infile, context_for(combo), tmp_path)
+            assert variant.read_bytes() == (project / path).read_bytes(), path
+            assert variant.stat().st_mode == (project / path).stat().st_mode, path
+
+    def test_has_no_leftover_jinja(self, render_root: Path, combo: dict) -> None:
+        for path in render(render_root, combo).rglob("*"):
             if path.is_file():
                 text = path.read_text()
                 assert not [mark for mark in LEFTOVER_JINJA if mark in text], path
@@ -139,32 +432,12 @@ class TestEveryCombination:
         for path in render(render_root, combo).rglob("*.py"):
             ast.parse(path.read_text(), filename=str(path))
 
-    def test_data_files_parse(self, render_root: Path, combo: dict) -> None:
-        """YAML, TOML and JSON files all load."""
-        project = render(render_root, combo)
-        for path in project.rglob("*"):
-            if path.suffix in {".yaml", ".yml"}:
-                yaml.safe_load(path.read_text())
-            elif path.suffix == ".toml":
-                tomllib.loads(path.read_text())
-            elif path.suffix == ".json":
-                json.loads(path.read_text())
-
     def test_passes_ruff_check_and_format(self, render_root: Path, combo: dict) -> None:
         """The project is formatted exactly as its own ruff configuration formats it."""
         project = render(render_root, combo)
-        py = sorted(project.rglob("*.py"))
-        digest = hashlib.sha1(
-            b"".join(path.read_bytes() for path in [*py, project / "pyproject.toml"])
-        ).hexdigest()
-        if ("ruff", digest) in _LINT_PASSED:
-            return
         for command in (["check", "--no-cache"], ["format", "--check", "--no-cache"]):
-            result = subprocess.run(
-                [tool("ruff"), *command, "."], cwd=project, capture_output=True, text=True
-            )
+            result = run_tool([tool("ruff"), *command, "."], cwd=project)
             assert result.returncode == 0, result.stdout + result.stderr
-        _LINT_PASSED.add(("ruff", digest))
 
     def test_shell_scripts_pass_shellcheck(self, render_root: Path, combo: dict) -> None:
         project = render(render_root, combo)
@@ -181,54 +454,18 @@ class TestEveryCombination:
     def test_apptainer_definition_builds_from_the_dockerfile_image(
         self, render_root: Path, combo: dict
     ) -> None:
-        """No Apptainer linter installs here: check the header, the sections and that every
-        path copied into the image exists."""
         project = render(render_root, combo)
         if not combo["use_docker"]:
             assert not (project / "apptainer.def").exists()
             return
-        header, sections = parse_definition((project / "apptainer.def").read_text())
-        image = re.search(r"^FROM (\S+)", (project / "Dockerfile").read_text(), re.MULTILINE)
-        assert header == {"Bootstrap": "docker", "From": image.group(1)}
-        assert {"files", "post", "runscript"} <= set(sections) <= APPTAINER_SECTIONS
-        for line in sections["files"]:
-            assert (project / line.split()[0]).exists(), line
+        assert_apptainer_definition_builds_from_the_dockerfile_image(
+            (project / "apptainer.def").read_text(),
+            (project / "Dockerfile").read_text(),
+            project_files(project),
+        )
 
     def test_ci_configuration_matches_its_schema(self, render_root: Path, combo: dict) -> None:
-        """GitHub and GitLab files validate against the services' published schemas."""
         project = render(render_root, combo)
-        schemas = {
-            "github": (".github/workflows/ci.yml", "vendor.github-workflows"),
-            "gitlab": (".gitlab-ci.yml", "vendor.gitlab-ci"),
-        }
-        if combo["ci"] in schemas:
-            path, schema = schemas[combo["ci"]]
-            lint_once([tool("check-jsonschema"), "--builtin-schema", schema], project / path)
-
-
-APPTAINER_SECTIONS = {"help", "labels", "files", "post", "environment", "runscript", "test"}
-
-
-def parse_definition(text: str) -> tuple[dict[str, str], dict[str, list[str]]]:
-    """An Apptainer definition file: its header (key: value) and its %sections' lines."""
-    header: dict[str, str] = {}
-    sections: dict[str, list[str]] = {}
-    current = None
-    for line in text.splitlines():
-        stripped = line.strip()
-        if stripped.startswith("%"):
-            current = sections.setdefault(stripped[1:].split()[0], [])
-        elif current is not None:
-            if stripped and not stripped.startswith("#"):
-                current.append(stripped)
-        elif stripped and not stripped.startswith("#"):
-            key, _, value = stripped.partition(":")
-            header[key.strip()] = value.strip()
-    return header, sections
-
-
-def test_matrix_covers_every_value_and_leaves_out_the_refused_combinations() -> None:
-    combos = valid_combinations()
-    for name, values in CHOICES.items():
-        assert {combo[name] for combo in combos} == set(values), name
-    assert 0 < len(combos) < math.prod(len(values) for values in CHOICES.values())
+        for path, schema in CI_SCHEMAS.items():
+            if (project / path).exists():
+                lint_once([tool("check-jsonschema"), "--builtin-schema", schema], project / path)
