@@ -17,7 +17,7 @@ venv: $(VENV)/.installed
 ## The whole test suite: every option combination rendered and linted, hook errors, and the
 ## default project's own suite (including 2-process gloo training).
 test: venv
-	$(BIN)/python -m pytest -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder
 
 lint: venv
 	$(BIN)/ruff check .

@@ -29,6 +29,9 @@ BIN = Path(sys.executable).parent
 PACKAGE = "launch_test"
 
 pytestmark = [pytest.mark.xdist_group("launchers"), pytest.mark.timeout(600)]
+#: The real torchrun runs need no Slurm cluster: under `pytest -n` they run beside the sbatch
+#: tests, on another worker.
+torchrun_group = pytest.mark.xdist_group("launchers-torchrun")
 
 
 @pytest.fixture(scope="module")
@@ -289,6 +292,7 @@ def final_checkpoint(run_dir: Path) -> dict:
     return json.loads((newest / "COMPLETE").read_text())
 
 
+@torchrun_group
 def test_two_hosts_train_as_one_job_with_torchrun(project: Path, tmp_path: Path) -> None:
     """Two network-namespace hosts with 2 processes each meet by c10d rendezvous at the first
     host and train as 4 gloo ranks over the veth link, writing one shared checkpoint."""
@@ -326,6 +330,7 @@ def test_two_hosts_train_as_one_job_with_torchrun(project: Path, tmp_path: Path)
     assert sorted(marker["files"]) == [*(f"rank_{rank:05d}.pt" for rank in range(4)), "state.pt"]
 
 
+@torchrun_group
 def test_usr1_stops_a_torchrun_run_after_one_step_with_a_checkpoint(
     project: Path, tmp_path: Path
 ) -> None:
@@ -381,6 +386,7 @@ TERM_TARGETS = {
 }
 
 
+@torchrun_group
 @pytest.mark.parametrize("target", TERM_TARGETS)
 def test_sigterm_stops_a_torchrun_run_with_a_checkpoint(
     project: Path, tmp_path: Path, target: str

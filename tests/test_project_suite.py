@@ -1,8 +1,22 @@
 """Rendered projects pass their own test suites, including real 2-process gloo training.
 
-The default project is installed into the test environment, exactly as a user installs it. The
-other projects of a pairwise cover (every pair of option values appears in at least one of them)
-run from their source trees, so that several can share this environment side by side.
+Only some options change what a project's suite does: those read by its Python files (its
+package, its tests, its benchmarks) and by the configs its tests load. `SUITE_OPTIONS` finds
+them by the scan of tests/variants.py; the other options change files (launchers, containers,
+CI, license, metadata) that the render tests and the launcher tests check. So:
+
+- The default project, installed into the test environment as a user installs it, runs its
+  whole suite; the fault tests (crashes, hangs and restarts under torchrun, up to a minute
+  each) run beside it from a source tree, so that the two halves can share the workers.
+- Every value of every suite option: the whole suite but the fault tests, in a few projects
+  after the default one. The multi-process tests (sharding, gradient averaging, stop and
+  checkpoint agreement between ranks) thus run with every model, precision and tracker.
+- Every pair of values of the suite options (a pairwise cover, completing the projects
+  above): the single-process tests and the 2-process training test. Two options meet in what
+  one process computes (a config, a model, a precision, a tracker), which those tests run.
+
+The fault tests exercise code that no option changes (the scan says so: test_restart.py and
+test_timeouts.py read no option), so the default options run them once.
 """
 
 from __future__ import annotations
@@ -10,15 +24,26 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tomllib
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from cookiecutter.main import cookiecutter
-from matrix import DEFAULTS, ROOT, combo_id, pairwise_cover
+from matrix import DEFAULTS, ROOT, combo_id, cover
+from variants import dependencies, render_text, representatives, template_files
 
 TWO_RANK_TEST = "test_two_ranks_train_checkpoint_and_resume"
+TWO_RANK_NODE = f"tests/test_distributed.py::{TWO_RANK_TEST}"
+#: The files that decide what the project's suite does: every Python file (code, tests,
+#: benchmarks) and the configs the tests load.
+SUITE_FILES = [
+    infile for infile in template_files() if infile.endswith(".py") or infile.startswith("configs/")
+]
+SUITE_OPTIONS = frozenset().union(*map(dependencies, SUITE_FILES))
+EACH_VALUE = cover(1, SUITE_OPTIONS)
+PAIRS = cover(2, SUITE_OPTIONS, start=EACH_VALUE)[len(EACH_VALUE) :]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -44,6 +69,32 @@ def assert_two_ranks_ran(cases: dict[str, ET.Element]) -> None:
     assert any("gpu" in name for name in cases), "the NCCL tests must be collected"
 
 
+def render_from_source(combo: dict, name: str, out: Path) -> tuple[Path, dict[str, str]]:
+    """Render a project under a package name of its own (no installed project can shadow it),
+    to run from its source tree; returns it and the environment that imports it."""
+    context = {**combo, "project_name": name}
+    project = Path(
+        cookiecutter(str(ROOT), no_input=True, output_dir=str(out), extra_context=context)
+    )
+    return project, {"PYTHONPATH": str(project / "src")}
+
+
+def test_the_suite_options_leave_the_pytest_settings_alone() -> None:
+    """pyproject.toml is no suite file, for the options it reads do not touch its pytest
+    settings."""
+    settings = [
+        tomllib.loads(render_text("pyproject.toml", combo))["tool"]["pytest"]
+        for combo in representatives("pyproject.toml")
+    ]
+    assert all(each == settings[0] for each in settings)
+
+
+def test_the_fault_tests_read_no_option() -> None:
+    """So that the default project alone runs them."""
+    fault_tests = ["tests/test_restart.py", "tests/test_timeouts.py"]
+    assert not frozenset().union(*map(dependencies, fault_tests))
+
+
 @pytest.fixture(scope="module")
 def installed_default_project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Render the default project and install it (editable, no downloads); uninstall afterwards."""
@@ -58,21 +109,27 @@ def installed_default_project(tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 def test_default_project_suite_passes_with_two_gloo_ranks(installed_default_project: Path) -> None:
     """The installed default project's suite passes, and its 2-process gloo test really ran."""
-    assert_two_ranks_ran(run_project_suite(installed_default_project, env={}))
+    assert_two_ranks_ran(run_project_suite(installed_default_project, {}, "-m", "not faults"))
 
 
-COVER = [combo for combo in pairwise_cover() if combo != DEFAULTS]
+def test_default_project_fault_tests_pass(tmp_path: Path) -> None:
+    project, env = render_from_source(DEFAULTS, "Default Faults", tmp_path)
+    cases = run_project_suite(project, env, "-m", "faults")
+    assert cases, "the fault tests must be collected"
 
 
-@pytest.mark.parametrize("combo", COVER, ids=combo_id)
-def test_project_suite_passes_for_a_pairwise_cover_of_options(combo: dict, tmp_path: Path) -> None:
-    """Each project of the cover passes its own suite from its source tree."""
-    # A package name of its own, so that no other installed project can shadow it.
-    context = {**combo, "project_name": f"Cover {COVER.index(combo) + 1}"}
-    project = Path(
-        cookiecutter(str(ROOT), no_input=True, output_dir=str(tmp_path), extra_context=context)
-    )
-    # The fault tests (crashes, hangs, restarts under torchrun) exercise code that no option
-    # changes; the default project runs them, the cover runs everything else.
-    env = {"PYTHONPATH": str(project / "src")}
+@pytest.mark.parametrize("combo", EACH_VALUE[1:], ids=combo_id)
+def test_project_suite_passes_for_every_value_of_the_suite_options(
+    combo: dict, tmp_path: Path
+) -> None:
+    project, env = render_from_source(combo, f"Value {EACH_VALUE.index(combo)}", tmp_path)
     assert_two_ranks_ran(run_project_suite(project, env, "-m", "not faults"))
+
+
+@pytest.mark.parametrize("combo", PAIRS, ids=combo_id)
+def test_single_process_tests_and_two_rank_training_pass_for_every_pair_of_values(
+    combo: dict, tmp_path: Path
+) -> None:
+    project, env = render_from_source(combo, f"Pair {PAIRS.index(combo) + 1}", tmp_path)
+    cases = run_project_suite(project, env, "-m", "not faults and not distributed")
+    assert_two_ranks_ran({**cases, **run_project_suite(project, env, TWO_RANK_NODE)})
