@@ -2,6 +2,18 @@
 and forwards the same values to the experiment tracker{% endif %}.
 
 Values arrive already reduced across ranks; this module never communicates.
+{%- if cookiecutter.tracker != "none" %}
+
+The tracker receives a record only once a checkpoint covers its step (`flush()`, after every
+checkpoint write). A run that dies between checkpoints has then sent the tracker nothing that the
+resumed run replays, so the tracker holds every step once, with the values of the run that went
+on; no tracker has to forget or overwrite a step (W&B ignores a step it has seen, MLflow keeps
+both). The price: the tracker's charts move in jumps of `checkpoint.every_steps`, while
+metrics.jsonl and the log are written as the steps happen. `<run.dir>/tracker_step` holds the
+newest step the tracker has: a resumed run first sends the checkpointed records a crash right
+after a checkpoint left unsent, and never sends a step again (after a resume from an older
+checkpoint because the newest was unusable, the tracker keeps the values it has for those steps).
+{%- endif %}
 """
 
 from __future__ import annotations
@@ -15,16 +27,34 @@ from .tracker import Tracker
 {%- endif %}
 
 METRICS_FILE = "metrics.jsonl"
+{%- if cookiecutter.tracker != "none" %}
+TRACKER_STEP_FILE = "tracker_step"
+{%- endif %}
 
 
 class MetricsLogger:
     """Writes on rank 0 only; on the other ranks every call is a no-op."""
 
-    def __init__(self, run_dir: Path, is_main: bool{% if cookiecutter.tracker != "none" %}, tracker: Tracker | None = None{% endif %}) -> None:
+    def __init__(self, run_dir: Path, is_main: bool) -> None:
         self.path = run_dir / METRICS_FILE
         self.is_main = is_main
 {%- if cookiecutter.tracker != "none" %}
+        self.tracker: Tracker | None = None
+        self.tracker_step_path = run_dir / TRACKER_STEP_FILE
+        self.tracker_step = 0
+        self.held: list[tuple[int, dict[str, float]]] = []
+
+    def attach(self, tracker: Tracker) -> None:
+        """Send records to `tracker` from now on, first those of metrics.jsonl it lacks.
+
+        Call after resuming: metrics.jsonl then ends at the resumed checkpoint, so every record
+        in it is covered by a checkpoint.
+        """
         self.tracker = tracker
+        if self.tracker_step_path.exists():
+            self.tracker_step = int(self.tracker_step_path.read_text())
+        self.held = [(record.pop("step"), record) for record in read_metrics(self.path.parent)]
+        self.flush()
 {%- endif %}
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -35,7 +65,24 @@ class MetricsLogger:
             handle.write(json.dumps({"step": step, **values}) + "\n")
 {%- if cookiecutter.tracker != "none" %}
         if self.tracker is not None:
-            self.tracker.log(step, values)
+            self.held.append((step, dict(values)))
+{%- endif %}
+
+    def flush(self) -> None:
+{%- if cookiecutter.tracker != "none" %}
+        """Send the records held back to the tracker; call once a checkpoint covers them."""
+        if self.tracker is None or not self.held:
+            return
+        for step, values in self.held:
+            if step > self.tracker_step:
+                self.tracker.log(step, values)
+        self.tracker_step = max(self.tracker_step, self.held[-1][0])
+        self.held = []
+        tmp = self.tracker_step_path.with_name(TRACKER_STEP_FILE + ".partial")
+        tmp.write_text(f"{self.tracker_step}\n")
+        os.replace(tmp, self.tracker_step_path)
+{%- else %}
+        """Nothing is held back: without a tracker, each record is written as it comes."""
 {%- endif %}
 
     def truncate_after(self, step: int) -> None:
@@ -52,6 +99,7 @@ class MetricsLogger:
 
     def close(self) -> None:
 {%- if cookiecutter.tracker != "none" %}
+        """End the tracker's run; records no checkpoint covers are dropped, a resume sends them."""
         if self.tracker is not None:
             self.tracker.close()
 {%- else %}

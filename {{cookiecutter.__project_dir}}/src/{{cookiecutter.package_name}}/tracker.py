@@ -11,13 +11,13 @@ from .config import Config
 
 
 class Tracker:
-    """Created on rank 0 only. On resume, events past the resumed step are purged."""
+    """Created on rank 0 only; a resumed run adds events to the same directory.
 
-    def __init__(self, config: Config, run_dir: Path, resume_step: int) -> None:
-        self.writer = SummaryWriter(
-            log_dir=str(run_dir / "tensorboard"),
-            purge_step=resume_step + 1 if resume_step else None,
-        )
+    It receives each step once (see metrics.py), so no purge of replayed steps is needed.
+    """
+
+    def __init__(self, config: Config, run_dir: Path) -> None:
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 
     def log(self, step: int, values: dict[str, float]) -> None:
         for name, value in values.items():
@@ -47,7 +47,7 @@ RUN_ID_FILE = "wandb_run_id"
 class Tracker:
     """Created on rank 0 only. The run id is kept in the run directory: a restart resumes it."""
 
-    def __init__(self, config: Config, run_dir: Path, resume_step: int) -> None:
+    def __init__(self, config: Config, run_dir: Path) -> None:
         id_file = run_dir / RUN_ID_FILE
         if not id_file.exists():
             id_file.write_text(uuid.uuid4().hex[:16])
@@ -85,7 +85,7 @@ RUN_ID_FILE = "mlflow_run_id"
 class Tracker:
     """Created on rank 0 only. The run id is kept in the run directory: a restart resumes it."""
 
-    def __init__(self, config: Config, run_dir: Path, resume_step: int) -> None:
+    def __init__(self, config: Config, run_dir: Path) -> None:
         local_store = f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
         mlflow.set_tracking_uri(config.tracker.tracking_uri or local_store)
         mlflow.set_experiment(config.tracker.project)

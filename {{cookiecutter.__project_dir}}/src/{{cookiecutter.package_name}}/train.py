@@ -106,7 +106,7 @@ def train(
         (run_dir / "config.yaml").write_text(to_yaml(config))
 {%- if cookiecutter.tracker != "none" %}
         if config.tracker.enabled:
-            metrics.tracker = Tracker(config, run_dir, resume_step=trainer.step)
+            metrics.attach(Tracker(config, run_dir))
 {%- endif %}
     barrier()  # rank 0's set-up above may take a while; the others wait with the long timeout
     try:

@@ -521,6 +521,7 @@ class Trainer:
             self.env,
             keep_last=self.config.checkpoint.keep_last,
         )
+        self.metrics.flush()  # the records up to this step may now reach the tracker
         log.info("saved checkpoint %s", path)
         self.meter.resume()
         return path
