@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +47,32 @@ def test_the_site_builds_in_strict_mode(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "index.html").is_file()
+
+
+TEST_REFERENCE = re.compile(r"(template: )?tests/(test_\w+\.py)(?:::(\w+))?")
+#: A test function named alone, after a reference to its file: `test_name`.
+BARE_TEST_NAME = re.compile(r"`(test_\w+)`")
+
+
+def test_every_test_the_pages_name_exists() -> None:
+    """Pages tie behaviours to tests by file and function: a renamed test leaves no stale name.
+
+    `template: tests/...` is the template's own suite; other names are the generated project's,
+    or the template's for pages about the template.
+    """
+    suites = [ROOT / "{{cookiecutter.__project_dir}}" / "tests", ROOT / "tests"]
+    every_test = "".join(path.read_text() for suite in suites for path in suite.glob("test_*.py"))
+    missing = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        text = page.read_text()
+        for prefix, file_name, function in TEST_REFERENCE.findall(text):
+            places = suites[1:] if prefix else suites
+            found = [place / file_name for place in places if (place / file_name).is_file()]
+            if not found or (
+                function and not any(f"def {function}(" in path.read_text() for path in found)
+            ):
+                missing.append(f"{page.name}: {prefix}tests/{file_name}::{function}")
+        for function in BARE_TEST_NAME.findall(text):
+            if f"def {function}(" not in every_test:
+                missing.append(f"{page.name}: {function}")
+    assert not missing, "\n".join(missing)
