@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO := build/demo
 
-.PHONY: venv test lint demo docs docs-serve clean
+.PHONY: venv test lint demo bench docs docs-serve clean
 
 $(VENV)/.installed: requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,15 @@ demo: venv
 		-m ddp_project.train --config configs/default.yaml train.max_steps=60
 	cd $(DEMO)/ddp-project && OMP_NUM_THREADS=1 $(CURDIR)/$(BIN)/torchrun --standalone --nproc-per-node=2 \
 		-m ddp_project.train --config configs/default.yaml train.max_steps=100
+
+## Render the default project and time its Trainer against a plain DDP loop and Lightning on 2
+## CPU processes, its launch and its all-reduce; writes docs/benchmarks.md. Not part of `test`.
+bench: $(VENV)/.bench-installed
+	OMP_NUM_THREADS=1 $(BIN)/python bench/run.py $(BENCH_ARGS)
+
+$(VENV)/.bench-installed: requirements-bench.txt $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet -r requirements-bench.txt -c requirements-test.txt
+	touch $@
 
 ## Regenerate docs/options.md from cookiecutter.json, then build the site into site/ (strict:
 ## a broken link fails). docs-serve rebuilds and serves it at http://127.0.0.1:8000 while you edit.
