@@ -29,12 +29,17 @@ from .trainer import Trainer, batch_split
 log = logging.getLogger(__name__)
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    """Ends `--help` with every setting, read only then: reading them takes a tenth of a second."""
+
+    def format_help(self) -> str:
+        return f"{super().format_help()}\n{_settings_help()}\n"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = _ArgumentParser(
         prog={{ (cookiecutter.project_slug ~ "-train") | python_string }},
         description="Train with DistributedDataParallel (single process, torchrun or Slurm).",
-        epilog=settings_help(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", type=Path, help="YAML file on top of the defaults")
     parser.add_argument(
@@ -44,8 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def settings_help() -> str:
-    """Every setting of config.py with its default, type and help: the end of `--help`."""
+def _settings_help() -> str:
+    """Every setting of config.py with its default, type and the `#:` comment above its field."""
     lines = [
         "settings, each overridable as section.key=value (values in YAML syntax), e.g.",
         "  train.max_steps=100 run.dir=runs/exp1 optim.betas=[0.9,0.95]",
