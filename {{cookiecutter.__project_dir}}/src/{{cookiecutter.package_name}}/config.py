@@ -257,10 +257,10 @@ class ProfileConfig:
 class TrackerConfig:
     """Experiment tracker ({{ cookiecutter.tracker }}); metrics.jsonl is written either way."""
 
-    #: Log the metrics to the tracker too.
+    #: Log the metrics to {{ cookiecutter.tracker }} too.
     enabled: bool = True
 {%- if cookiecutter.tracker in ["wandb", "mlflow"] %}
-    #: The run's project (MLflow: experiment) in the tracker.
+    #: The project (or experiment) the run is logged under.
     project: str = {{ cookiecutter.project_slug | python_string }}
 {%- endif %}
 {%- if cookiecutter.tracker == "mlflow" %}
