@@ -51,6 +51,17 @@ SHORT_ESCAPES = {"\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f
 PYTHON_LINE_LENGTH = 100
 
 
+@functools.cache
+def pinned_version(package: str) -> str:
+    """The version of `package` that the template's tests install (requirements-test.txt), so
+    that a rendered project pins the tools the template was checked with, in one place."""
+    requirements = (TEMPLATE_DIR / "requirements-test.txt").read_text(encoding="utf-8")
+    match = re.search(rf"^{re.escape(package)}==(\S+)$", requirements, re.MULTILINE)
+    if match is None:
+        raise LookupError(f"requirements-test.txt pins no version of {package}")
+    return match.group(1)
+
+
 def is_slug(value: object) -> TypeGuard[str]:
     """Whether `value` may name the project directory, distribution and Docker image."""
     return isinstance(value, str) and len(value) <= MAX_SLUG and SLUG.fullmatch(value) is not None
@@ -231,11 +242,14 @@ QUESTIONS = ConditionalQuestions()
 
 
 class FormatFilters(Extension):
-    """Registers `FILTERS`, and `template_dir` for the hooks, in cookiecutter's Jinja
-    environment, and leaves out pointless questions (`ConditionalQuestions`)."""
+    """Registers `FILTERS`, `template_dir` for the hooks, and `ruff_version` and
+    `cruft_version` for the tool pins in cookiecutter's Jinja environment, and leaves out
+    pointless questions (`ConditionalQuestions`)."""
 
     def __init__(self, environment: Environment) -> None:
         super().__init__(environment)
         environment.filters.update(FILTERS)
         environment.globals["template_dir"] = str(TEMPLATE_DIR)
+        environment.globals["ruff_version"] = pinned_version("ruff")
+        environment.globals["cruft_version"] = pinned_version("cruft")
         QUESTIONS.install()

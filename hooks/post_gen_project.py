@@ -28,6 +28,7 @@ KEEP_ONLY_IF = {
     "tests/test_tracker.py": {"tracker": ["tensorboard", "wandb", "mlflow"]},
     ".github": {"ci": "github"},
     ".gitlab-ci.yml": {"ci": "gitlab"},
+    "renovate.json": {"ci": "gitlab"},
 }
 
 

@@ -93,9 +93,9 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
         files |= {f"src/{package}/gpt.py", "tests/test_gpt.py"}
         files |= {"configs/gpt-small.yaml", "configs/gpt2-124m.yaml"}
     if combo["ci"] == "github":
-        files.add(".github/workflows/ci.yml")
+        files |= {".github/workflows/ci.yml", ".github/dependabot.yml"}
     if combo["ci"] == "gitlab":
-        files.add(".gitlab-ci.yml")
+        files |= {".gitlab-ci.yml", "renovate.json"}
     return files
 
 

@@ -91,20 +91,34 @@ class Update:
     check_after: subprocess.CompletedProcess[str]
 
 
+@dataclass(frozen=True)
+class Template:
+    """A git repository of the template, and its first commit."""
+
+    path: Path
+    first_commit: str
+
+
 @pytest.fixture(scope="module")
-def updated(tmp_path_factory: pytest.TempPathFactory) -> Update:
+def template(tmp_path_factory: pytest.TempPathFactory) -> Template:
     if shutil.which("git") is None:
         pytest.skip("cruft needs git, which is not installed")
-    template = tmp_path_factory.mktemp("template")
-    copy_template(template)
-    git("init", "--quiet", "--initial-branch=main", cwd=template)
-    git("add", ".", cwd=template)
-    git("commit", "--quiet", "-m", "Template release 1", cwd=template)
+    path = tmp_path_factory.mktemp("template")
+    copy_template(path)
+    git("init", "--quiet", "--initial-branch=main", cwd=path)
+    git("add", ".", cwd=path)
+    git("commit", "--quiet", "-m", "Template release 1", cwd=path)
+    return Template(path, git("rev-parse", "HEAD", cwd=path).strip())
 
+
+@pytest.fixture(scope="module")
+def updated(template: Template, tmp_path_factory: pytest.TempPathFactory) -> Update:
     output = tmp_path_factory.mktemp("output")
     created = cruft(
         "create",
-        str(template),
+        str(template.path),
+        "--checkout",
+        template.first_commit,
         "--no-input",
         "--output-dir",
         str(output),
@@ -129,11 +143,11 @@ def updated(tmp_path_factory: pytest.TempPathFactory) -> Update:
     git("add", ".", cwd=project)
     git("commit", "--quiet", "-m", "Our changes", cwd=project)
 
-    readme = template / TEMPLATE_PROJECT / "README.md"
+    readme = template.path / TEMPLATE_PROJECT / "README.md"
     readme.write_text(readme.read_text() + "\n" + TEMPLATE_README_LINE + "\n")
-    source = template / TEMPLATE_PROJECT / "src/{{cookiecutter.package_name}}/distributed.py"
+    source = template.path / TEMPLATE_PROJECT / "src/{{cookiecutter.package_name}}/distributed.py"
     source.write_text(source.read_text() + TEMPLATE_SOURCE_LINE + "\n")
-    git("commit", "--quiet", "-am", "Template release 2", cwd=template)
+    git("commit", "--quiet", "-am", "Template release 2", cwd=template.path)
 
     check_before = cruft("check", cwd=project)
     update = cruft("update", "--skip-apply-ask", "--allow-untracked-files", cwd=project)
@@ -184,3 +198,32 @@ def test_update_keeps_the_answers(updated: Update) -> None:
 
 def test_cruft_check_passes_after_the_update(updated: Update) -> None:
     assert updated.check_after.returncode == 0, updated.check_after.stdout
+
+
+def test_project_from_plain_cookiecutter_links_to_its_template_commit(
+    template: Template, tmp_path: Path
+) -> None:
+    """The README's recipe: the answers in .cookiecutter.json and the release the project came
+    from link it to the template, and cruft then finds no difference to that commit."""
+    release = tmp_path / "release"
+    git("clone", "--quiet", str(template.path), str(release), cwd=tmp_path)
+    git("checkout", "--quiet", template.first_commit, cwd=release)
+    rendered = run([sys.executable, "-m", "cookiecutter", "--no-input", str(release)], tmp_path)
+    assert rendered.returncode == 0, rendered.stderr
+    project = tmp_path / "ddp-project"
+    answers = json.loads((project / ".cookiecutter.json").read_text())["cookiecutter"]
+    linked = cruft(
+        "link",
+        str(template.path),
+        "--checkout",
+        template.first_commit,
+        "--no-input",
+        "--extra-context",
+        json.dumps(answers),
+        cwd=project,
+    )
+    assert linked.returncode == 0, linked.stderr
+    record = json.loads((project / ".cruft.json").read_text())
+    assert record["commit"] == template.first_commit
+    difference = cruft("diff", "--exit-code", "--checkout", template.first_commit, cwd=project)
+    assert difference.returncode == 0, difference.stdout
