@@ -269,13 +269,16 @@ SHORT_RUN = [
 ]
 
 
-#: A run long enough to be interrupted: 3000 steps, checkpoints every 200.
+#: Steps of a run long enough to be interrupted: it is signalled once its first checkpoint
+#: (step 100) is written, and stops within a few seconds (a few hundred steps); a
+#: requeued run then trains the rest.
+LONG_STEPS = 2000
 LONG_RUN = [
     *SHORT_RUN,
     "train.epochs=1000",
-    "train.max_steps=3000",
+    f"train.max_steps={LONG_STEPS}",
     "train.log_every=500",
-    "checkpoint.every_steps=200",
+    "checkpoint.every_steps=100",
 ]
 
 
@@ -407,7 +410,7 @@ def test_sigterm_stops_a_torchrun_run_with_a_checkpoint(
     [code] = wait_for_all([launcher], timeout=120)
     text = log.read_text()
     assert code == TERM_TARGETS[target], text[-3000:]
-    stopped = re.search(r"stopped at step (\d+) of 3000 on SIGTERM", text)
+    stopped = re.search(rf"stopped at step (\d+) of {LONG_STEPS} on SIGTERM", text)
     assert stopped, text[-3000:]
     marker = final_checkpoint(run_dir)
     assert marker["step"] == int(stopped.group(1))
@@ -519,12 +522,12 @@ def test_usr1_before_the_time_limit_checkpoints_requeues_and_resumes(
 def assert_resumed_where_it_stopped(output: str, run_dir: Path, reason: str) -> None:
     """The job's first run stopped mid-training with `reason`, the next one resumed from exactly
     that step and finished."""
-    stopped = re.search(rf"stopped at step (\d+) of 3000 on {re.escape(reason)}", output)
+    stopped = re.search(rf"stopped at step (\d+) of {LONG_STEPS} on {re.escape(reason)}", output)
     resumed = re.search(r"resumed from \S+ at step (\d+)", output)
     assert stopped and resumed, output
     assert resumed.group(1) == stopped.group(1)
-    assert 0 < int(stopped.group(1)) < 3000
-    assert final_checkpoint(run_dir)["step"] == 3000
+    assert 0 < int(stopped.group(1)) < LONG_STEPS
+    assert final_checkpoint(run_dir)["step"] == LONG_STEPS
 
 
 def let_requeued_job_start(slurm: SlurmCluster, job_id: str) -> None:
@@ -622,6 +625,6 @@ def test_scancel_stops_with_a_checkpoint_and_never_requeues(
     output = job_output(project, job_id)
     assert (job["JobState"], job["Restarts"]) == ("CANCELLED", "0"), output + slurm.logs()
     assert f"job {job_id} was cancelled: not requeued (training exited with 75)" in output
-    stopped = re.search(r"stopped at step (\d+) of 3000 on SIGTERM", output)
+    stopped = re.search(rf"stopped at step (\d+) of {LONG_STEPS} on SIGTERM", output)
     assert stopped, output
     assert final_checkpoint(run_dir)["step"] == int(stopped.group(1))
