@@ -76,7 +76,7 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
         "benchmarks/overhead.py",
     }
     tests = ["amp", "benchmarks", "checkpoint", "config", "data", "distributed"]
-    tests += ["distributed_env", "gpu"]
+    tests += ["distributed_env", "gpu", "plot"]
     tests += ["gradients", "ranks", "restart", "resume", "resume_checks", "sharding"]
     tests += ["stop_signal", "timeouts", "trainer"]
     files |= {f"tests/test_{name}.py" for name in tests}
