@@ -81,7 +81,7 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
     tests += ["stop_signal", "timeouts", "trainer"]
     files |= {f"tests/test_{name}.py" for name in tests}
     modules = ["checkpoint", "config", "data", "distributed", "logs", "metrics", "resume"]
-    modules += ["stopping", "task", "train", "trainer", "__init__"]
+    modules += ["plot", "stopping", "task", "train", "trainer", "__init__"]
     files |= {f"src/{package}/{name}.py" for name in modules}
     if combo["use_slurm"]:
         files.add("launch/slurm/train.sbatch")
