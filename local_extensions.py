@@ -216,6 +216,9 @@ class ConditionalQuestions:
         )
 
     def wrap(self, ask: Callable[..., Any]) -> Callable[..., Any]:
+        """`ask`, which asks the question `name` with the default (or choices) `value`, made to
+        remember its answer and to answer a ruled-out question with the default itself."""
+
         @functools.wraps(ask)
         def ask_unless_ruled_out(name: str, value: object, *args: Any, **kwargs: Any) -> Any:
             if self.is_ruled_out(name):
