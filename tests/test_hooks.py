@@ -227,6 +227,7 @@ def test_post_gen_removes_exactly_the_deselected_files(tmp_path: Path) -> None:
         ".dockerignore",
         "apptainer.def",
         ".gitlab-ci.yml",
+        "renovate.json",
     }
 
 
