@@ -112,7 +112,7 @@ def _tracked_steps(run_dir: Path, name: str) -> list[int]:
 def _tracked_steps(run_dir: Path, name: str) -> list[int]:
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
     history = client.get_metric_history((run_dir / "mlflow_run_id").read_text(), name)
-    return [point.step for point in sorted(history, key=lambda point: point.timestamp)]
+    return sorted(point.step for point in history)
 {%- endif %}
 
 
