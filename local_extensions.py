@@ -62,6 +62,13 @@ def pinned_version(package: str) -> str:
     return match.group(1)
 
 
+def torch_floor() -> str:
+    """The oldest torch a rendered project allows, major.minor: the one the template's tests
+    run with, since no older one is tested."""
+    major, minor = pinned_version("torch").split(".")[:2]
+    return f"{major}.{minor}"
+
+
 def is_slug(value: object) -> TypeGuard[str]:
     """Whether `value` may name the project directory, distribution and Docker image."""
     return isinstance(value, str) and len(value) <= MAX_SLUG and SLUG.fullmatch(value) is not None
@@ -245,8 +252,8 @@ QUESTIONS = ConditionalQuestions()
 
 
 class FormatFilters(Extension):
-    """Registers `FILTERS`, `template_dir` for the hooks, and `ruff_version` and
-    `cruft_version` for the tool pins in cookiecutter's Jinja environment, and leaves out
+    """Registers `FILTERS`, `template_dir` for the hooks, `ruff_version` and `cruft_version`
+    for the tool pins and `torch_floor` in cookiecutter's Jinja environment, and leaves out
     pointless questions (`ConditionalQuestions`)."""
 
     def __init__(self, environment: Environment) -> None:
@@ -255,4 +262,5 @@ class FormatFilters(Extension):
         environment.globals["template_dir"] = str(TEMPLATE_DIR)
         environment.globals["ruff_version"] = pinned_version("ruff")
         environment.globals["cruft_version"] = pinned_version("cruft")
+        environment.globals["torch_floor"] = torch_floor()
         QUESTIONS.install()

@@ -81,6 +81,18 @@ def test_torch_floor_is_the_tested_version(github: Path) -> None:
     assert torch == f"torch>={major}.{minor},<{int(major) + 1}"
 
 
+def test_ci_tests_the_oldest_and_the_newest_torch(github: Path, gitlab: Path) -> None:
+    """The floor in pyproject.toml is tested by the project's own CI as well."""
+    major, minor, _ = release(pinned("torch")).split(".")
+    workflow = yaml.safe_load((github / ".github/workflows/ci.yml").read_text())
+    github_torch = [
+        job["torch"] for job in workflow["jobs"]["test"]["strategy"]["matrix"]["include"]
+    ]
+    pipeline = yaml.safe_load((gitlab / ".gitlab-ci.yml").read_text())
+    gitlab_torch = [job["TORCH"] for job in pipeline["test"]["parallel"]["matrix"]]
+    assert github_torch == gitlab_torch == [f"torch=={major}.{minor}.*", "torch"]
+
+
 # ---- ruff -------------------------------------------------------------------------------------
 
 
