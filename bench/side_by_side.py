@@ -19,7 +19,6 @@ import gc
 import importlib.util
 import json
 import shutil
-import statistics
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -75,22 +74,16 @@ def main() -> int:
                     else:
                         sync_each = name == "plain_sync_each"
                         weights[name] = overhead.run_plain(config, env, device, clock, sync_each)
-                    median, mean = clock.figures()
-                    runs[name].append((overhead.slowest(median), overhead.slowest(mean)))
+                    runs[name].append(overhead.slowest(clock.figures()))
                     gc.collect()
+                trainer = weights["trainer"]
                 for name in equal:
-                    same = all(
-                        torch.equal(weights["trainer"][k], weights[name][k]) for k in weights[name]
-                    )
+                    same = all(torch.equal(trainer[key], weights[name][key]) for key in trainer)
                     equal[name] &= all_ranks_agree(same)
             results[scenario] = {
-                name: {
-                    "median_step_s": statistics.median(median for median, _ in pairs),
-                    "mean_step_s": statistics.median(mean for _, mean in pairs),
-                    "runs": pairs,
-                    **({"bitwise_equal_to_trainer": equal[name]} if name in equal else {}),
-                }
-                for name, pairs in runs.items()
+                name: overhead.summary(figures)
+                | ({"bitwise_equal_to_trainer": equal[name]} if name in equal else {})
+                for name, figures in runs.items()
             }
             if env.is_main:
                 print(scenario, json.dumps(results[scenario]), flush=True)

@@ -25,7 +25,10 @@ answer is the real protocol's). The plain loop takes the same time stamp after i
 Per-step times are the differences of consecutive stamps; the median is robust to a busy
 machine's hiccups. The mean is the timed window's length over its steps, with the device
 synchronized at the two ends of the window only, so that on a GPU it counts the work done and
-not only the work queued. Each figure is the slowest rank's, then the median over the repeats.
+not only the work queued. CPU is the median CPU time of the training thread per step: what the
+loop itself computes and dispatches, without the waits for the other ranks or for a core that
+another program holds, so it shows a loop's own cost even on a shared machine. Each figure is
+the slowest rank's, then the median over the repeats.
 """
 
 from __future__ import annotations
@@ -77,29 +80,35 @@ PLAIN_LOOP_ASSUMES = {
     "dist.broadcast_buffers": True,
 }
 Weights = dict[str, torch.Tensor]
+#: What is reported per loop, in seconds per step (see StepClock.figures).
+FIGURES = ("median_step_s", "mean_step_s", "cpu_step_s")
 
 
 class StepClock:
-    """Time stamps at the end of every optimizer step of one run."""
+    """Time stamps at the end of every optimizer step of one run: wall clock and CPU time."""
 
     def __init__(self, device: torch.device, warmup_steps: int, steps: int) -> None:
         self.device = device
         self.window = (warmup_steps, warmup_steps + steps)
-        self.stamps: list[float] = []
+        self.stamps: list[tuple[float, float]] = []
 
     def tick(self) -> None:
         if len(self.stamps) + 1 in self.window and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.stamps.append(time.perf_counter())
+        self.stamps.append((time.perf_counter(), time.thread_time()))
 
-    def figures(self) -> tuple[float, float]:
-        """(median, mean) seconds per step over the timed steps."""
+    def figures(self) -> dict[str, float]:
+        """Seconds per timed step: median and mean wall clock, median CPU time of this thread."""
         first, last = self.window
         if len(self.stamps) <= last:
             raise RuntimeError(f"the clock saw {len(self.stamps)} steps, fewer than {last + 1}")
         timed = self.stamps[first - 1 : last]  # the end of the warm-up, then each timed step
-        steps = [end - start for start, end in itertools.pairwise(timed)]
-        return statistics.median(steps), (timed[-1] - timed[0]) / len(steps)
+        pairs = list(itertools.pairwise(timed))
+        return {
+            "median_step_s": statistics.median(end[0] - start[0] for start, end in pairs),
+            "mean_step_s": (timed[-1][0] - timed[0][0]) / len(pairs),
+            "cpu_step_s": statistics.median(end[1] - start[1] for start, end in pairs),
+        }
 
 
 class ClockedStopRequests(StopRequests):
@@ -228,13 +237,18 @@ def benchmark_config(
     return config
 
 
-def slowest(value: float) -> float:
-    """The largest of every rank's `value`."""
+def slowest(figures: dict[str, float]) -> dict[str, float]:
+    """The largest of every rank's value of each figure."""
     if not is_distributed():
-        return value
-    tensor = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return float(tensor)
+        return figures
+    values = torch.tensor(list(figures.values()), dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return dict(zip(figures, values.tolist(), strict=True))
+
+
+def summary(runs: list[dict[str, float]]) -> dict:
+    """The median over the runs of each figure, and the runs."""
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]} | {"runs": runs}
 
 
 def shared_temporary_dir(env: DistEnv) -> Path:
@@ -272,25 +286,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def report(runs: dict[str, list[tuple[float, float]]], equal: bool, env: DistEnv) -> dict:
+def report(runs: dict[str, list[dict[str, float]]], equal: bool, env: DistEnv) -> dict:
     """The medians over the repeats, and the table printed on rank 0."""
-    figures = {
-        name: {
-            "median_step_s": statistics.median(median for median, _ in pairs),
-            "mean_step_s": statistics.median(mean for _, mean in pairs),
-            "runs": [{"median_step_s": median, "mean_step_s": mean} for median, mean in pairs],
-        }
-        for name, pairs in runs.items()
-    }
+    figures = {name: summary(figures) for name, figures in runs.items()}
     trainer, plain = figures["trainer"], figures["plain"]
-    ratio = {key: trainer[key] / plain[key] for key in ("median_step_s", "mean_step_s")}
+    ratio = {key: trainer[key] / plain[key] for key in FIGURES}
     lines = [
-        f"{'':<16} {'median ms/step':>15} {'mean ms/step':>13}",
+        f"{'ms per step':<16} {'median':>9} {'mean':>9} {'CPU':>9}",
         *(
-            f"{name:<16} {row['median_step_s'] * 1e3:>15.4f} {row['mean_step_s'] * 1e3:>13.4f}"
+            f"{name:<16} " + " ".join(f"{row[key] * 1e3:>9.4f}" for key in FIGURES)
             for name, row in figures.items()
         ),
-        f"{'trainer / plain':<16} {ratio['median_step_s']:>15.4f} {ratio['mean_step_s']:>13.4f}",
+        f"{'trainer / plain':<16} " + " ".join(f"{ratio[key]:>9.4f}" for key in FIGURES),
         f"final weights bitwise equal: {'yes' if equal else 'NO'}",
     ]
     if env.is_main:
@@ -298,8 +305,7 @@ def report(runs: dict[str, list[tuple[float, float]]], equal: bool, env: DistEnv
     return {
         "world_size": env.world_size,
         "weights_bitwise_equal": equal,
-        "ratio_median": ratio["median_step_s"],
-        "ratio_mean": ratio["mean_step_s"],
+        "ratios": ratio,
         **figures,
     }
 
@@ -315,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with process_group(env, config.dist) as device:
         root = args.run_dir or shared_temporary_dir(env)
-        runs: dict[str, list[tuple[float, float]]] = {"trainer": [], "plain": []}
+        runs: dict[str, list[dict[str, float]]] = {"trainer": [], "plain": []}
         equal = True
         for repeat in range(args.repeats):
             weights = {}
@@ -327,8 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 else:
                     weights[name] = run_plain(config, env, device, clock)
-                median, mean = clock.figures()
-                runs[name].append((slowest(median), slowest(mean)))
+                runs[name].append(slowest(clock.figures()))
                 gc.collect()
             trainer, plain = weights["trainer"], weights["plain"]
             same = trainer.keys() == plain.keys()
