@@ -7,7 +7,8 @@ loop with and without `no_sync`) and from lightning_loop.py. Two scenarios, each
 run in turn, `--repeats` times:
 
 - the default batch: global 128 = 2 ranks x micro-batch 32 x 2 accumulation steps: the project's
-  Trainer, the plain loop and Lightning;
+  Trainer, the plain loop, Lightning and the plain loop again (two runs of the same loop: how
+  much the figures differ by chance on this machine);
 - accumulation K=4 (global 256): the Trainer and the plain loop, both with `no_sync`, and the
   plain loop with an all-reduce after every micro-batch.
 """
@@ -28,7 +29,10 @@ from ddp_project.distributed import all_ranks_agree, detect_env, process_group
 from lightning_loop import run_lightning
 
 SCENARIOS = {
-    "default": (["train.global_batch_size=128"], ["trainer", "plain", "lightning"]),
+    "default": (
+        ["train.global_batch_size=128"],
+        ["trainer", "plain", "lightning", "plain_again"],
+    ),
     "accumulation_4": (["train.global_batch_size=256"], ["trainer", "plain", "plain_sync_each"]),
 }
 
