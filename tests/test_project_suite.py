@@ -8,15 +8,20 @@ CI, license, metadata) that the render tests and the launcher tests check. So:
 - The default project, installed into the test environment as a user installs it, runs its
   whole suite; the fault tests (crashes, hangs and restarts under torchrun, up to a minute
   each) run beside it from a source tree, so that the two halves can share the workers.
-- Every value of every suite option: the whole suite but the fault tests, in a few projects
-  after the default one. The multi-process tests (sharding, gradient averaging, stop and
-  checkpoint agreement between ranks) thus run with every model, precision and tracker.
-- Every pair of values of the suite options (a pairwise cover, completing the projects
-  above): the single-process tests and the 2-process training test. Two options meet in what
-  one process computes (a config, a model, a precision, a tracker), which those tests run.
+- Every value of the options that the shared test helpers read (tests/helpers.py and the
+  like: the model and data every multi-process test trains, today the example task) runs the
+  whole suite but the fault tests, in a project of its own after the default one.
+- Every pair of values of the suite options (a pairwise cover, completing the projects above)
+  runs the single-process tests, the 2-process training test and every test of the test
+  modules that an option changes or removes (the tracker's, the GPT example's, ...). Two
+  options meet in what one process computes (a config, a model, a precision, a tracker),
+  which those tests run, and in the 2-process training, which trains, checkpoints and resumes
+  with the pair's model, precision and tracker. The other multi-process tests check how ranks
+  agree (sharding, gradient averaging, stop and checkpoint agreement): code that no option
+  changes, run with every model above.
 
-The fault tests exercise code that no option changes (the scan says so: test_restart.py and
-test_timeouts.py read no option), so the default options run them once.
+The fault tests exercise code that no option changes (test_restart.py and test_timeouts.py read
+no option; a test checks it), so the default options run them once.
 """
 
 from __future__ import annotations
@@ -32,7 +37,14 @@ from pathlib import Path
 import pytest
 from cookiecutter.main import cookiecutter
 from matrix import DEFAULTS, ROOT, combo_id, cover
-from variants import dependencies, render_text, representatives, template_files
+from variants import (
+    dependencies,
+    kept_files,
+    render_text,
+    representatives,
+    sometimes_absent,
+    template_files,
+)
 
 TWO_RANK_TEST = "test_two_ranks_train_checkpoint_and_resume"
 TWO_RANK_NODE = f"tests/test_distributed.py::{TWO_RANK_TEST}"
@@ -42,7 +54,20 @@ SUITE_FILES = [
     infile for infile in template_files() if infile.endswith(".py") or infile.startswith("configs/")
 ]
 SUITE_OPTIONS = frozenset().union(*map(dependencies, SUITE_FILES))
-EACH_VALUE = cover(1, SUITE_OPTIONS)
+#: Test modules whose text or presence depends on a suite option: the pairs run all their tests.
+OPTION_TESTS = [
+    infile
+    for infile in template_files()
+    if infile.startswith("tests/test_")
+    and (dependencies(infile) & SUITE_OPTIONS or infile in sometimes_absent())
+]
+#: The test modules that are no tests (helpers, fixtures): what they read changes every test.
+SHARED_TEST_FILES = [
+    infile
+    for infile in SUITE_FILES
+    if infile.startswith("tests/") and not Path(infile).name.startswith("test_")
+]
+EACH_VALUE = cover(1, frozenset().union(*map(dependencies, SHARED_TEST_FILES)))
 PAIRS = cover(2, SUITE_OPTIONS, start=EACH_VALUE)[len(EACH_VALUE) :]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -119,7 +144,7 @@ def test_default_project_fault_tests_pass(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("combo", EACH_VALUE[1:], ids=combo_id)
-def test_project_suite_passes_for_every_value_of_the_suite_options(
+def test_project_suite_passes_for_every_value_of_the_options_the_test_helpers_read(
     combo: dict, tmp_path: Path
 ) -> None:
     project, env = render_from_source(combo, f"Value {EACH_VALUE.index(combo)}", tmp_path)
@@ -127,9 +152,13 @@ def test_project_suite_passes_for_every_value_of_the_suite_options(
 
 
 @pytest.mark.parametrize("combo", PAIRS, ids=combo_id)
-def test_single_process_tests_and_two_rank_training_pass_for_every_pair_of_values(
+def test_single_process_and_option_tests_and_two_rank_training_pass_for_every_pair_of_values(
     combo: dict, tmp_path: Path
 ) -> None:
     project, env = render_from_source(combo, f"Pair {PAIRS.index(combo) + 1}", tmp_path)
-    cases = run_project_suite(project, env, "-m", "not faults and not distributed")
-    assert_two_ranks_ran({**cases, **run_project_suite(project, env, TWO_RANK_NODE)})
+    files = kept_files(combo)
+    chosen = [TWO_RANK_NODE, *(files[infile] for infile in OPTION_TESTS if infile in files)]
+    selection = ["-p", "project_selection", *(f"--multi-process-from={node}" for node in chosen)]
+    # The plugin lives beside this file.
+    env["PYTHONPATH"] += os.pathsep + str(Path(__file__).parent)
+    assert_two_ranks_ran(run_project_suite(project, env, *selection))

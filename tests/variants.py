@@ -9,9 +9,10 @@ dependencies, among the valid combinations that keep it, covers every combinatio
 construction, at a cost that grows with the number of distinct files rather than with the
 product of the options.
 
-Files are rendered by cookiecutter's own `generate_file`, in cookiecutter's own Jinja
-environment with the template's extensions, from a context built the way `cookiecutter()`
-builds it.
+Files are rendered as cookiecutter's `generate_file` renders them (cookiecutter's Jinja
+environment with the template's extensions, the same newline and mode), from a context built
+the way `cookiecutter()` builds it; the render tests check that against whole cookiecutter
+renders, byte for byte.
 """
 
 from __future__ import annotations
@@ -278,11 +279,19 @@ def kept_files(combo: dict) -> dict[str, str]:
     return _kept(json.dumps({**DEFAULTS, **values}, sort_keys=True))
 
 
+@cache
+def sometimes_absent() -> frozenset[str]:
+    """The template files that some valid combination does not keep."""
+    always = set(template_files()).intersection(*map(kept_files, valid_combinations()))
+    return frozenset(template_files()) - always
+
+
 @dataclass
 class Forest:
     """Partial projects under `root`, one per combination that some file variant is rendered
     for (`root/<index in valid_combinations()>/`). Each holds the files rendered for that
-    combination, exactly as cookiecutter renders them, in the combination's directories."""
+    combination, exactly as cookiecutter renders them, and where it holds Python files, empty
+    stand-ins for the rest of the project."""
 
     root: Path
     combos: list[dict]
