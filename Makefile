@@ -14,8 +14,10 @@ $(VENV)/.installed: requirements-test.txt
 
 venv: $(VENV)/.installed
 
-## The whole test suite: every option combination rendered and linted, hook errors, and the
-## default project's own suite (including 2-process gloo training).
+## The whole test suite (README: what it covers): every option combination checked through its
+## files' variants, a pairwise cover rendered whole, hook errors, the rendered projects' own
+## suites (2-process gloo training included) and the launchers on real engines. The long tests
+## are collected first and --no-loadscope-reorder keeps that order, so both workers end together.
 test: venv
 	$(BIN)/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder
 
