@@ -75,13 +75,13 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
         "benchmarks/allreduce.py",
         "benchmarks/overhead.py",
     }
-    tests = ["amp", "benchmarks", "checkpoint", "config", "data", "distributed"]
+    tests = ["amp", "benchmarks", "checkpoint", "config", "data", "ddp_options", "distributed"]
     tests += ["distributed_env", "gpu", "plot"]
     tests += ["gradients", "ranks", "restart", "resume", "resume_checks", "sharding"]
-    tests += ["stop_signal", "timeouts", "trainer"]
+    tests += ["stop_signal", "throughput", "timeouts", "trainer"]
     files |= {f"tests/test_{name}.py" for name in tests}
-    modules = ["checkpoint", "config", "data", "distributed", "logs", "metrics", "resume"]
-    modules += ["plot", "stopping", "task", "train", "trainer", "__init__"]
+    modules = ["checkpoint", "config", "data", "distributed", "logs", "metrics", "profiling"]
+    modules += ["plot", "resume", "stopping", "task", "throughput", "train", "trainer", "__init__"]
     files |= {f"src/{package}/{name}.py" for name in modules}
     if combo["use_slurm"]:
         files.add("launch/slurm/train.sbatch")
