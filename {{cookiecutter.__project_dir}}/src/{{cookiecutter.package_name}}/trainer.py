@@ -198,9 +198,11 @@ class Trainer:
         # Loss scaling only for fp16: bf16 has fp32's exponent range and needs none.
         self.scaler = torch.amp.GradScaler(device.type, enabled=train.mixed_precision == "fp16")
 
-        # Sum of the micro-batch losses since the last log line, left on the device (reading it
-        # would wait for the device); kept in the checkpoint so that resumed logs match.
-        self.window_loss = torch.zeros((), dtype=torch.float64, device=device)
+        # The micro-batch losses since the last log line stay on the device (reading them would
+        # wait for the device): listed in the step, summed in float64 only when read. Kept in
+        # the checkpoint so that resumed logs match.
+        self._window_losses: list[torch.Tensor] = []
+        self._window_loss = torch.zeros((), dtype=torch.float64, device=device)
         self.window_steps = 0
 
         self.meter = StepMeter(device)
@@ -229,8 +231,8 @@ class Trainer:
         """One optimizer step over `accumulation_steps` micro-batches.
 
         Returns the gradient norm before clipping when it is computed anyway (clipping on) or
-        will be logged after this step, else None. The losses are added to `window_loss` on the
-        device: nothing in a step waits for the device (fp16's inf/nan check aside).
+        will be logged after this step, else None. The losses are kept on the device for the next
+        log line: nothing in a step waits for the device (fp16's inf/nan check aside).
         """
         try:
             for micro_step in range(self.accumulation_steps):
@@ -241,7 +243,7 @@ class Trainer:
                     with self.autocast():
                         loss = self.task.training_loss(self.ddp_model, batch)
                     self.scaler.scale(loss / self.accumulation_steps).backward()
-                self.window_loss += loss.detach()
+                self._window_losses.append(loss.detach())
         except RuntimeError as error:
             if "find_unused_parameters" in str(error):
                 raise RuntimeError(UNUSED_PARAMETERS_HINT) from error
@@ -371,7 +373,8 @@ class Trainer:
         # One collective per log line, gathered from every rank at the same step: the loss sums
         # and each rank's timings (the spread shows stragglers).
         local = [window.train_s, window.data_wait_s, float(window.peak_memory)]
-        values = torch.cat([self.window_loss.reshape(1), self.window_loss.new_tensor(local)])
+        window_loss = self.window_loss()
+        values = torch.cat([window_loss.reshape(1), window_loss.new_tensor(local)])
         rows = gather_rows(values).cpu()
         micro_batches = rows.shape[0] * self.window_steps * self.accumulation_steps
         loss = float(rows[:, 0].sum()) / micro_batches
@@ -390,7 +393,7 @@ class Trainer:
         values["epoch"] = epoch
         log.info(self._train_line(values))
         self.metrics.log(self.step, values)
-        self.window_loss.zero_()
+        self._window_loss.zero_()
         self.window_steps = 0
         self.meter.resume()
 
@@ -501,12 +504,19 @@ class Trainer:
             },
         }
 
+    def window_loss(self) -> torch.Tensor:
+        """This rank's sum of the micro-batch losses since the last log line (float64)."""
+        if self._window_losses:
+            self._window_loss += torch.stack(self._window_losses).double().sum()
+            self._window_losses.clear()
+        return self._window_loss
+
     def rank_state_dict(self) -> dict[str, Any]:
         """What differs between ranks: RNG streams and this rank's share of the logging window."""
         return {
             "rank": self.env.rank,
             "rng": capture_rng(self.device),
-            "window_loss": self.window_loss,
+            "window_loss": self.window_loss(),
             "window_steps": self.window_steps,
         }
 
@@ -549,7 +559,7 @@ class Trainer:
         self.step = state["step"]
         if loaded.rank_state is not None:
             restore_rng(loaded.rank_state["rng"], self.device)
-            self.window_loss = loaded.rank_state["window_loss"].to(self.device)
+            self._window_loss = loaded.rank_state["window_loss"].to(self.device)
             self.window_steps = loaded.rank_state["window_steps"]
         else:
             announce_world_size_change(loaded.world_size, self.env.world_size, announce)
