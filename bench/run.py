@@ -315,6 +315,14 @@ def document(figures: dict) -> str:
             for row in figures["allreduce"]["results"]
         ),
         "",
+        "## On GPUs",
+        "",
+        "The figures above are CPU figures. On a GPU machine, the generated project measures",
+        "what matters there: `torchrun --standalone --nproc-per-node=gpu benchmarks/allreduce.py`",
+        "gives the NCCL bus bandwidth per message size, `benchmarks/overhead.py` the Trainer",
+        "against the plain loop, and the `gpt` example's log lines its tokens/s and MFU, eager",
+        "and with `train.compile=true`.",
+        "",
     ]
     return "\n".join(lines)
 
