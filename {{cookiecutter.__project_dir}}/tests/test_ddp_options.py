@@ -38,56 +38,6 @@ def _training(
     return {"first_grads": grads[0], "weights": weights}
 
 
-def _each_hook(rank: int, world_size: int, run_dir: Path) -> dict:
-    """Training with each communication hook that gloo supports."""
-    hooks = ("none", "fp16", "powersgd")
-    return {
-        hook: _training(rank, world_size, run_dir / hook, f"dist.comm_hook={hook}")
-        for hook in hooks
-    }
-
-
-def _assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> None:
-    """Equal up to `rtol` of the largest gradient: near-zero entries carry only rounding."""
-    atol = rtol * float(expected.abs().max())
-    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
-
-
-@pytest.fixture(scope="module")
-def hook_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    workdir = tmp_path_factory.mktemp("hooks")
-    return spawn(2, _each_hook, workdir / "run", workdir=workdir)
-
-
-@pytest.mark.parametrize("hook", ["fp16", "powersgd"])
-def test_replicas_stay_identical_with_a_communication_hook(hook_runs: list, hook: str) -> None:
-    for name, tensor in hook_runs[0][hook]["weights"].items():
-        assert torch.equal(tensor, hook_runs[1][hook]["weights"][name]), name
-
-
-def test_fp16_compression_sends_the_gradients_to_fp16_precision(hook_runs: list) -> None:
-    plain, fp16 = hook_runs[0]["none"]["first_grads"], hook_runs[0]["fp16"]["first_grads"]
-    assert not torch.equal(plain, fp16)  # the hook ran
-    _assert_close_to_scale(fp16, plain, rtol=2e-3)  # fp16 keeps 11 significant bits
-
-
-def test_powersgd_sends_a_low_rank_approximation_after_the_warmup(hook_runs: list) -> None:
-    plain, powersgd = hook_runs[0]["none"]["weights"], hook_runs[0]["powersgd"]["weights"]
-    differing = [name for name in plain if not torch.equal(plain[name], powersgd[name])]
-    assert differing and all(powersgd[name].isfinite().all() for name in powersgd)
-
-
-def _bf16_hook(rank: int, world_size: int, run_dir: Path) -> str:
-    with pytest.raises(ConfigError) as error:
-        _training(rank, world_size, run_dir, "dist.comm_hook=bf16")
-    return str(error.value)
-
-
-def test_bf16_compression_without_nccl_is_refused_with_the_alternative(tmp_path: Path) -> None:
-    message = spawn(2, _bf16_hook, tmp_path / "run", workdir=tmp_path)[0]
-    assert "needs the NCCL backend" in message and "dist.comm_hook=fp16" in message
-
-
 class UnusedLayerTask(Task):
     """A model with a layer that never takes part in the loss."""
 
@@ -107,27 +57,73 @@ def _unused_layer(rank: int, world_size: int, run_dir: Path, *overrides: str) ->
     return "trained"
 
 
-def test_a_parameter_without_gradient_gets_a_hint_naming_the_setting(tmp_path: Path) -> None:
-    messages = spawn(2, _unused_layer, tmp_path / "run", workdir=tmp_path)
-    assert all("dist.find_unused_parameters=true" in message for message in messages)
-
-
-def test_find_unused_parameters_trains_such_a_model(tmp_path: Path) -> None:
-    setting = "dist.find_unused_parameters=true"
-    assert spawn(2, _unused_layer, tmp_path / "run", setting, workdir=tmp_path) == ["trained"] * 2
-
-
-def _buffer_sync(rank: int, world_size: int, run_dir: Path) -> list[bool]:
-    synced = []
+def _each_setting(rank: int, world_size: int, run_dir: Path) -> dict:
+    """Every DDP setting below in one process group (starting one costs seconds)."""
+    hooks = ("none", "fp16", "powersgd")
+    runs: dict = {
+        hook: _training(rank, world_size, run_dir / hook, f"dist.comm_hook={hook}")
+        for hook in hooks
+    }
+    with pytest.raises(ConfigError) as bf16_error:
+        _training(rank, world_size, run_dir / "bf16", "dist.comm_hook=bf16")
+    runs["bf16"] = str(bf16_error.value)
+    runs["buffer_sync"] = []
     for value in ("true", "false"):
         settings = [*FAST, f"run.dir={run_dir / value}", f"dist.broadcast_buffers={value}"]
         trainer = make_trainer(load_config(None, settings), env_for(rank, world_size))
-        synced.append(trainer.ddp.broadcast_buffers)
-    return synced
+        runs["buffer_sync"].append(trainer.ddp.broadcast_buffers)
+    setting = "dist.find_unused_parameters=true"
+    runs["unused_allowed"] = _unused_layer(rank, world_size, run_dir / "allowed", setting)
+    # Last, so that nothing else runs after DDP's failed gradient reduction.
+    runs["unused"] = _unused_layer(rank, world_size, run_dir / "unused")
+    return runs
 
 
-def test_broadcast_buffers_reaches_ddp(tmp_path: Path) -> None:
-    assert spawn(2, _buffer_sync, tmp_path / "run", workdir=tmp_path)[0] == [True, False]
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    workdir = tmp_path_factory.mktemp("settings")
+    return spawn(2, _each_setting, workdir / "run", workdir=workdir)
+
+
+def _assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> None:
+    """Equal up to `rtol` of the largest gradient: near-zero entries carry only rounding."""
+    atol = rtol * float(expected.abs().max())
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("hook", ["fp16", "powersgd"])
+def test_replicas_stay_identical_with_a_communication_hook(runs: list, hook: str) -> None:
+    for name, tensor in runs[0][hook]["weights"].items():
+        assert torch.equal(tensor, runs[1][hook]["weights"][name]), name
+
+
+def test_fp16_compression_sends_the_gradients_to_fp16_precision(runs: list) -> None:
+    plain, fp16 = runs[0]["none"]["first_grads"], runs[0]["fp16"]["first_grads"]
+    assert not torch.equal(plain, fp16)  # the hook ran
+    _assert_close_to_scale(fp16, plain, rtol=2e-3)  # fp16 keeps 11 significant bits
+
+
+def test_powersgd_sends_a_low_rank_approximation_after_the_warmup(runs: list) -> None:
+    plain, powersgd = runs[0]["none"]["weights"], runs[0]["powersgd"]["weights"]
+    differing = [name for name in plain if not torch.equal(plain[name], powersgd[name])]
+    assert differing and all(powersgd[name].isfinite().all() for name in powersgd)
+
+
+def test_bf16_compression_without_nccl_is_refused_with_the_alternative(runs: list) -> None:
+    message = runs[0]["bf16"]
+    assert "needs the NCCL backend" in message and "dist.comm_hook=fp16" in message
+
+
+def test_a_parameter_without_gradient_gets_a_hint_naming_the_setting(runs: list) -> None:
+    assert all("dist.find_unused_parameters=true" in rank["unused"] for rank in runs)
+
+
+def test_find_unused_parameters_trains_such_a_model(runs: list) -> None:
+    assert [rank["unused_allowed"] for rank in runs] == ["trained"] * 2
+
+
+def test_broadcast_buffers_reaches_ddp(runs: list) -> None:
+    assert runs[0]["buffer_sync"] == [True, False]
 
 
 def _compiled_and_eager(rank: int, world_size: int, run_dir: Path) -> dict:
