@@ -143,3 +143,20 @@ def window_figures(
     if peak is not None:
         figures["train/mfu"] = steps * flops_per_step / slowest / (world_size * peak)
     return figures
+
+
+def describe(figures: dict[str, float], unit: str) -> str:
+    """`window_figures` as the log line shows them."""
+    parts = [
+        f"{figures[f'train/{unit}_per_s']:,.0f} {unit}/s",
+        f"{figures['train/step_time_s'] * 1e3:.1f} ms/step (ranks "
+        f"{figures['train/step_time_min_s'] * 1e3:.1f}-"
+        f"{figures['train/step_time_max_s'] * 1e3:.1f})",
+        f"data wait {figures['train/data_wait_share']:.0%} (max "
+        f"{figures['train/data_wait_share_max']:.0%} on rank "
+        f"{figures['train/data_wait_max_rank']})",
+        f"peak mem {figures['train/peak_memory_gb']:.2f} GB",
+    ]
+    if "train/mfu" in figures:
+        parts.append(f"MFU {figures['train/mfu']:.1%}")
+    return " | ".join(parts)

@@ -40,7 +40,7 @@ from .resume import (
 )
 from .stopping import StopRequests
 from .task import Task
-from .throughput import StepMeter, peak_flops, window_figures
+from .throughput import StepMeter, describe, peak_flops, window_figures
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +92,6 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, dict):
         return {key: move_to_device(value, device) for key, value in batch.items()}
     return batch
-
-
-def gradient_norm(parameters: Iterator[torch.nn.Parameter]) -> torch.Tensor:
-    """The 2-norm of all gradients together, as clipping computes it (without clipping)."""
-    norms = [torch.linalg.vector_norm(param.grad) for param in parameters if param.grad is not None]
-    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 def capture_rng(device: torch.device) -> dict[str, Any]:
@@ -255,7 +249,8 @@ class Trainer:
         if grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
         elif self._due(self.config.train.log_every, self.step + 1):
-            grad_norm = gradient_norm(self.model.parameters())
+            grads = [param.grad for param in self.model.parameters() if param.grad is not None]
+            grad_norm = torch.nn.utils.get_total_norm(grads)
         # With fp16, a step whose gradients hold inf/nan is skipped on every rank alike: the
         # gradients were all-reduced, so every rank sees the same non-finite values.
         self.scaler.step(self.optimizer)
@@ -387,39 +382,16 @@ class Trainer:
             self.peak_flops,
         )
         values = {"train/loss": loss, "train/lr": self.scheduler.get_last_lr()[0]}
+        line = f"step {self.step}/{self.total_steps} | epoch {epoch} | loss {loss:.4f} | "
+        line += f"lr {values['train/lr']:.2e}"
         if grad_norm is not None:
             values["train/grad_norm"] = grad_norm.item()
-        values.update(figures)
-        values["epoch"] = epoch
-        log.info(self._train_line(values))
-        self.metrics.log(self.step, values)
+            line += f" | grad norm {values['train/grad_norm']:.3f}"
+        log.info("%s | %s", line, describe(figures, self.unit))
+        self.metrics.log(self.step, {**values, **figures, "epoch": epoch})
         self._window_loss.zero_()
         self.window_steps = 0
         self.meter.resume()
-
-    def _train_line(self, values: dict[str, float]) -> str:
-        rate = values[f"train/{self.unit}_per_s"]
-        parts = [
-            f"step {self.step}/{self.total_steps}",
-            f"epoch {values['epoch']}",
-            f"loss {values['train/loss']:.4f}",
-            f"lr {values['train/lr']:.2e}",
-        ]
-        if "train/grad_norm" in values:
-            parts.append(f"grad norm {values['train/grad_norm']:.3f}")
-        parts += [
-            f"{rate:,.0f} {self.unit}/s",
-            f"{values['train/step_time_s'] * 1e3:.1f} ms/step (ranks "
-            f"{values['train/step_time_min_s'] * 1e3:.1f}-"
-            f"{values['train/step_time_max_s'] * 1e3:.1f})",
-            f"data wait {values['train/data_wait_share']:.0%} (max "
-            f"{values['train/data_wait_share_max']:.0%} on rank "
-            f"{values['train/data_wait_max_rank']})",
-            f"peak mem {values['train/peak_memory_gb']:.2f} GB",
-        ]
-        if "train/mfu" in values:
-            parts.append(f"MFU {values['train/mfu']:.1%}")
-        return " | ".join(parts)
 
     def _log_summary(self, first_step: int, wall_s: float) -> None:
         """One line at the end of a launch: what was done, how fast, and where the results are."""
