@@ -42,7 +42,12 @@ class RunConfig:
 @dataclass
 class TaskConfig:
 {%- if cookiecutter.example == "classifier" %}
-    """Size of the example task (see task.py); replace with your own task's settings."""
+    """Size of the example task (see task.py); replace with your own task's settings.
+
+    This class is the one part of config.py that belongs to the task: its fields become the
+    `task.*` settings. An optional `validate()` method checks them (raise ConfigError); the
+    trainer calls it after checking the shared sections.
+    """
 
     #: Samples in the generated training set.
     num_train_samples: int = 8192
@@ -56,6 +61,16 @@ class TaskConfig:
     num_classes: int = 8
     #: Dropout probability after each hidden layer.
     dropout: float = 0.1
+
+    def validate(self) -> None:
+        """The task's own range checks; config.validate() calls them after its own."""
+        for key in ("num_train_samples", "num_eval_samples", "input_dim", "hidden_dim"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"task.{key} must be positive, got {getattr(self, key)}")
+        if self.num_classes < 2:
+            raise ConfigError(f"task.num_classes must be at least 2, got {self.num_classes}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"task.dropout must be in [0, 1), got {self.dropout}")
 {%- else %}
     """The text and the size of the example language model (see task.py and gpt.py).
 
@@ -64,6 +79,9 @@ class TaskConfig:
     in windows of `block_size` + 1 bytes. `num_train_samples` / `num_eval_samples` > 0 take only
     that many windows of each part (quick runs); 0 takes them all. The defaults are a tiny model
     that trains on a laptop CPU; configs/gpt-small.yaml and configs/gpt2-124m.yaml are bigger.
+
+    This class is the one part of config.py that belongs to the task: its fields become the
+    `task.*` settings, and `validate()` checks them (called after the shared sections' checks).
     """
 
     #: The text file to learn; empty: a generated text.
@@ -84,6 +102,27 @@ class TaskConfig:
     n_embd: int = 128
     #: Dropout probability in attention and MLP.
     dropout: float = 0.0
+
+    def validate(self) -> None:
+        """The task's own range checks; config.validate() calls them after its own."""
+        for key in ("generated_bytes", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"task.{key} must be positive, got {getattr(self, key)}")
+        if self.n_embd % self.n_head:
+            raise ConfigError(
+                f"task.n_embd={self.n_embd} must be a multiple of task.n_head={self.n_head}: "
+                "each attention head takes an equal share of the embedding"
+            )
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"task.dropout must be in [0, 1), got {self.dropout}")
+        for key in ("num_train_samples", "num_eval_samples"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"task.{key} must be >= 0 (0 takes every window of the text)")
+        if self.text_path and not Path(self.text_path).is_file():
+            raise ConfigError(
+                f"task.text_path={self.text_path} is not a file. Give the path of a text file to "
+                "train on, or leave task.text_path empty to train on a generated text."
+            )
 {%- endif %}
 
 
@@ -188,6 +227,34 @@ class CheckpointConfig:
     stop_on_signals: bool = True
     #: Seconds of training between the ranks' checks for a stop; 0: every step.
     stop_check_s: float = 1.0
+    #: At the end of training, write the weights as safetensors to <run.dir>/export.
+    export: bool = True
+
+
+@dataclass
+class EmaConfig:
+    """An exponential moving average of the weights, evaluated beside them.
+
+    After every optimizer step, ema = decay * ema + (1 - decay) * weights (buffers are copied).
+    With `decay` > 0, each evaluation also runs on the average and logs it as `eval_ema/*`; the
+    average is in every checkpoint and exported with the final weights.
+    """
+
+    #: Decay of the weights' moving average per step (e.g. 0.999); 0: off.
+    decay: float = 0.0
+
+
+@dataclass
+class InitConfig:
+    """Weights to start a new run from (fine-tuning): the optimizer and the step start afresh.
+
+    `weights` is another run's directory (its newest intact checkpoint), one checkpoint's
+    directory, a .pt file (a state dict, or a checkpoint's state.pt) or a .safetensors file.
+    Used only when the run starts: a run that resumes continues from its own checkpoint.
+    """
+
+    #: Initial weights: a run dir, checkpoint dir, .pt or .safetensors file; empty: none.
+    weights: str = ""
 
 
 @dataclass
@@ -280,6 +347,8 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    init: InitConfig = field(default_factory=InitConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 {%- if cookiecutter.tracker != "none" %}
@@ -340,7 +409,8 @@ def settings() -> list[Setting]:
 
 
 def validate(config: Config) -> None:
-    """Range checks that types alone cannot express."""
+    """Range checks that types alone cannot express: the shared sections', then the task's own
+    (`TaskConfig.validate`, when it has one)."""
     positive = {
         "train.global_batch_size": config.train.global_batch_size,
         "train.micro_batch_size": config.train.micro_batch_size,
@@ -355,38 +425,10 @@ def validate(config: Config) -> None:
         "dist.powersgd_rank": config.dist.powersgd_rank,
         "data.prefetch_factor": config.data.prefetch_factor,
         "profile.active_steps": config.profile.active_steps,
-{%- if cookiecutter.example == "classifier" %}
-        "task.num_train_samples": config.task.num_train_samples,
-        "task.num_eval_samples": config.task.num_eval_samples,
-{%- else %}
-        "task.generated_bytes": config.task.generated_bytes,
-        "task.block_size": config.task.block_size,
-        "task.n_layer": config.task.n_layer,
-        "task.n_head": config.task.n_head,
-        "task.n_embd": config.task.n_embd,
-{%- endif %}
     }
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
-{%- if cookiecutter.example == "gpt" %}
-    task = config.task
-    if task.n_embd % task.n_head:
-        raise ConfigError(
-            f"task.n_embd={task.n_embd} must be a multiple of task.n_head={task.n_head}: "
-            "each attention head takes an equal share of the embedding"
-        )
-    if not 0 <= task.dropout < 1:
-        raise ConfigError(f"task.dropout must be in [0, 1), got {task.dropout}")
-    for key in ("num_train_samples", "num_eval_samples"):
-        if getattr(task, key) < 0:
-            raise ConfigError(f"task.{key} must be >= 0 (0 takes every window of the text)")
-    if task.text_path and not Path(task.text_path).is_file():
-        raise ConfigError(
-            f"task.text_path={task.text_path} is not a file. Give the path of a text file to "
-            "train on, or leave task.text_path empty to train on a generated text."
-        )
-{%- endif %}
     if config.train.epochs <= 0 and config.train.max_steps <= 0:
         raise ConfigError("set train.epochs or train.max_steps to a positive number")
     if config.checkpoint.stop_check_s < 0:
@@ -408,6 +450,16 @@ def validate(config: Config) -> None:
         raise ConfigError(f"optim.lr must be positive, got {config.optim.lr}")
     if not 0 <= config.optim.min_lr_ratio <= 1:
         raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {config.optim.min_lr_ratio}")
+    if not 0 <= config.ema.decay < 1:
+        raise ConfigError(f"ema.decay must be in [0, 1) (0 turns EMA off), got {config.ema.decay}")
+    if config.init.weights and not Path(config.init.weights).exists():
+        raise ConfigError(
+            f"init.weights={config.init.weights} does not exist. Give a run directory, a "
+            "checkpoint directory, a .pt or a .safetensors file, or leave it empty."
+        )
+    task_checks = getattr(config.task, "validate", None)
+    if task_checks is not None:
+        task_checks()
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

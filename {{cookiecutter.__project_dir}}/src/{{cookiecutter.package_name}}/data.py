@@ -5,9 +5,7 @@ The task (task.py) builds the data sets; this module decides which rank sees whi
 
 from __future__ import annotations
 
-import random
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -15,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from .config import DataConfig
 from .distributed import DistEnv
+from .rng import seed_all
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -65,7 +64,7 @@ class ResumableDistributedSampler(DistributedSampler):
 class SampleSeededDataset(Dataset):
     """Seeds the random generators of a DataLoader worker before each sample it fetches.
 
-    Python's, torch's and (when the data code uses it) NumPy's global generators are seeded.
+    Python's, NumPy's and torch's global generators are seeded (rng.py).
     Random augmentation in a worker then depends on (run seed, epoch, sample) alone: it differs
     between samples, epochs and so ranks, and a run resumed mid-epoch draws exactly what the
     unbroken run drew, whatever the number of workers. Without it every rank's workers start
@@ -80,11 +79,7 @@ class SampleSeededDataset(Dataset):
 
     def __getitem__(self, item: tuple[int, int]) -> Any:
         index, seed = item
-        random.seed(seed)
-        torch.manual_seed(seed)
-        numpy = sys.modules.get("numpy")  # seeded only where the data code uses it
-        if numpy is not None:
-            numpy.random.seed(seed % 2**32)
+        seed_all(seed)
         return self.dataset[index]
 
 
@@ -112,6 +107,7 @@ def build_train_loader(
     micro_batch_size: int,
     seed: int,
     device: torch.device,
+    collate: Callable[[list[Any]], Any],
 ) -> tuple[DataLoader, ResumableDistributedSampler]:
     """Full micro-batches only (drop_last): every optimizer step sees exactly the global batch.
 
@@ -125,6 +121,7 @@ def build_train_loader(
         batch_size=micro_batch_size,
         sampler=sampler,
         drop_last=True,
+        collate_fn=collate,
         **_loader_options(config, device, seed + env.rank),
     )
     return loader, sampler
@@ -137,6 +134,7 @@ def build_eval_loader(
     batch_size: int,
     seed: int,
     device: torch.device,
+    collate: Callable[[list[Any]], Any],
 ) -> DataLoader:
     """Every evaluation sample exactly once across all ranks."""
     sampler = EvalShardSampler(len(dataset), env)
@@ -144,6 +142,7 @@ def build_eval_loader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
+        collate_fn=collate,
         **_loader_options(config, device, seed + env.rank),
     )
 

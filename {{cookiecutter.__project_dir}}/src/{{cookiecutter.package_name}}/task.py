@@ -1,9 +1,11 @@
 """The problem being solved: data, model, loss and metrics. This is the file you edit.
 
 The trainer only calls the methods of `Task`; it never looks inside a batch or a model. To train
-your own model, replace the data set, the model and the two loss/metric methods below, and the
-settings in `TaskConfig` (config.py). Nothing here knows about ranks, devices or DDP: the trainer
-moves batches to the device, wraps the model, and reduces the metrics across ranks.
+your own model, replace the data set, the model and the loss and metric methods below, and the
+settings in `TaskConfig` (config.py). contract.py lists what a task must define (four methods)
+and what it may (parameter groups, a collate function, per-token losses, metrics of its own,
+state in checkpoints...), each with its default. Nothing here knows about ranks, devices or DDP:
+the trainer moves batches to the device, wraps the model, and reduces the metrics across ranks.
 """
 {%- if cookiecutter.example == "classifier" %}
 
@@ -15,6 +17,7 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset, TensorDataset
 
 from .config import TaskConfig
+from .contract import TaskBase
 
 
 def make_blobs(config: TaskConfig, num_samples: int, seed: int, split: int) -> TensorDataset:
@@ -50,14 +53,15 @@ class Classifier(nn.Module):
         return self.net(inputs)
 
 
-class Task:
+class Task(TaskBase):
     """Classification of synthetic Gaussian blobs."""
 
-    #: What `evaluation_sums` returns besides "count"; each is reported as sum / count.
-    metric_names: tuple[str, ...] = ("loss", "accuracy")
-    #: Throughput is reported in these units per second; one sample holds `units_per_sample`.
-    throughput_unit: str = "samples"
-    units_per_sample: int = 1
+    #: Small and quick: what the generated tests train with.
+    test_settings = (
+        "task.num_train_samples=512",
+        "task.num_eval_samples=101",
+        "task.hidden_dim=32",
+    )
 
     def __init__(self, config: TaskConfig, seed: int) -> None:
         self.config = config
@@ -110,6 +114,7 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset
 
 from .config import ConfigError, TaskConfig
+from .contract import TaskBase
 from .gpt import GPT
 
 #: Byte-level modelling: any file is a sequence of bytes 0-255, so no tokenizer is needed.
@@ -185,14 +190,21 @@ def byte_windows(data: torch.Tensor, config: TaskConfig, wanted: int, part: str)
     return ByteWindows(data, config.block_size, wanted or available)
 
 
-class Task:
+class Task(TaskBase):
     """Next-byte prediction on a text with a small GPT (gpt.py)."""
 
-    #: What `evaluation_sums` returns besides "count"; each is reported as sum / count.
-    metric_names: tuple[str, ...] = ("loss", "accuracy")
     #: Throughput is reported in these units per second; one sample holds `units_per_sample`.
-    throughput_unit: str = "tokens"
-    units_per_sample: int
+    throughput_unit = "tokens"
+    #: Small and quick: what the generated tests train with.
+    test_settings = (
+        "task.num_train_samples=512",
+        "task.num_eval_samples=101",
+        "task.generated_bytes=20000",
+        "task.block_size=16",
+        "task.n_head=2",
+        "task.n_embd=32",
+        "task.dropout=0.1",
+    )
 
     def __init__(self, config: TaskConfig, seed: int) -> None:
         self.config = config
@@ -201,6 +213,24 @@ class Task:
 
     def build_model(self) -> nn.Module:
         return GPT(self.config, VOCAB_SIZE)
+
+    def param_groups(self, model: nn.Module) -> list[dict]:
+        """Weight decay on the matrices of the linear layers only, not on biases, LayerNorms
+        and embeddings (the token embedding is also the output head: one tensor, no decay)."""
+        embeddings_and_norms = {
+            id(param)
+            for module in model.modules()
+            if isinstance(module, (nn.Embedding, nn.LayerNorm))
+            for param in module.parameters(recurse=False)
+        }
+        decay, no_decay = [], []
+        for param in model.parameters():
+            skip = param.dim() < 2 or id(param) in embeddings_and_norms
+            (no_decay if skip else decay).append(param)
+        return [
+            {"name": "decay", "params": decay},
+            {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
+        ]
 
     def flops_per_sample(self, model: nn.Module) -> float:
         """Training FLOPs (forward and backward) for one sample: what MFU is computed from.

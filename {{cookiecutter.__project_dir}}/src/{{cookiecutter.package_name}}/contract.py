@@ -1,0 +1,193 @@
+"""The Task contract: what the trainer asks of task.py, and the default of every optional part.
+
+A task is constructed as `Task(config.task, seed=config.run.seed)` and must provide four
+methods: `build_model`, `build_datasets`, `training_loss` and `evaluation_sums`. Everything else
+below is optional: `TaskBase` holds the default of each. Deriving from `TaskBase` documents the
+task and lets an editor complete it; a task that does not derive from it works the same, since
+the trainer takes every member the task lacks from these defaults (`adopt`).
+
+Contract versions (`CONTRACT_VERSION`); a task written for an earlier one keeps working:
+
+1. Releases up to 0.4: the four required methods, `metric_names`, and later `throughput_unit`,
+   `units_per_sample` and `flops_per_sample`, which were required in practice.
+2. Release 0.5: every member but the four methods optional; `training_loss` may return a sum
+   and a count or named components; per-metric counts and derived metrics; `param_groups`,
+   `collate`, `units`, `state_dict`/`load_state_dict` and `test_settings`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, default_collate
+
+CONTRACT_VERSION = 2
+
+#: What `training_loss` returns: the mean loss of the micro-batch; or (sum, count) over the
+#: micro-batch's items (tokens, pixels...); or a dict with "loss", optionally "count", and
+#: other named components that are logged beside the loss.
+LossResult = torch.Tensor | tuple[torch.Tensor, Any] | dict[str, Any]
+#: One entry of `evaluation_sums`: a sum divided by "count" when reported, or (sum, count).
+EvaluationSum = torch.Tensor | tuple[torch.Tensor, Any]
+
+#: The methods every task must have.
+REQUIRED = ("build_model", "build_datasets", "training_loss", "evaluation_sums")
+
+
+class TaskBase:
+    """Optional members with their defaults; the four required methods raise until defined."""
+
+    #: The entries of `evaluation_sums` reported as metrics; None: all but "count".
+    metric_names: Sequence[str] | None = None
+    #: Throughput is reported in these units per second (samples, tokens, images...).
+    throughput_unit: str = "samples"
+    #: Units in one sample, for the default `units`; a task that pads counts its own.
+    units_per_sample: int = 1
+    #: `section.key=value` settings that make the task small and quick: the generated tests
+    #: train with them (a few hundred samples, a tiny model, seconds per run on a CPU).
+    test_settings: Sequence[str] = ()
+
+    # --- required ---------------------------------------------------------------------------
+
+    def build_model(self) -> nn.Module:
+        """The model, on the CPU; the trainer moves it to the device and wraps it in DDP."""
+        raise NotImplementedError
+
+    def build_datasets(self) -> tuple[Dataset, Dataset]:
+        """(train, eval) map-style data sets; their items go through `collate`."""
+        raise NotImplementedError
+
+    def training_loss(self, model: nn.Module, batch: Any) -> LossResult:
+        """The loss of one micro-batch, in one of three forms.
+
+        - A scalar: the mean over the micro-batch. Every micro-batch weighs the same.
+        - `(loss_sum, count)`: the sum over the micro-batch's items and how many there are
+          (real tokens, not padding). The step's gradient is then exactly that of the sum over
+          the whole global batch divided by its total count, on any world size and
+          accumulation: use it whenever micro-batches hold different numbers of items.
+        - A dict with "loss" (a mean, or a sum when "count" is given), optionally "count", and
+          any other scalar components (they are logged as train/<name>, not trained on).
+        """
+        raise NotImplementedError
+
+    def evaluation_sums(self, model: nn.Module, batch: Any) -> dict[str, EvaluationSum]:
+        """Sums over one evaluation batch: exact across ranks, since only sums are reduced.
+
+        Each entry is a tensor, reported as its total over the evaluation set divided by the
+        total of the "count" entry, or a pair (sum, count) that carries its own count. Entries
+        may also be ingredients of `evaluation_metrics` (true and false positives for an F1).
+        """
+        raise NotImplementedError
+
+    # --- optional ---------------------------------------------------------------------------
+
+    def evaluation_metrics(self, totals: dict[str, Any]) -> dict[str, float]:
+        """The metrics from `evaluation_sums` totalled over the whole evaluation set.
+
+        `totals` holds each entry as a float, or a (sum, count) pair of floats. The default
+        reports `metric_names` (else every entry but "count"), each as sum / count.
+        """
+        names = self.metric_names or [name for name in totals if name != "count"]
+        metrics = {}
+        for name in names:
+            value = totals[name]
+            if isinstance(value, tuple):
+                total, count = value
+            elif "count" in totals:
+                total, count = value, totals["count"]
+            else:
+                raise KeyError(
+                    f"evaluation_sums returned {name!r} without a count: add a 'count' entry, "
+                    f"or return {name!r} as a (sum, count) pair"
+                )
+            metrics[name] = total / count if count else math.nan
+        return metrics
+
+    def param_groups(self, model: nn.Module) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups: {"params": [...], and any AdamW option}.
+
+        A group's own options (weight_decay=0.0 for biases and norms, a lower lr) win over the
+        optim.* settings, also when those change on resume. A "name" key names the group in
+        the log. Every parameter that requires a gradient must be in exactly one group.
+        """
+        return [{"params": list(model.parameters())}]
+
+    def collate(self, samples: list[Any]) -> Any:
+        """A batch from a list of data set items (pad variable-length items here)."""
+        return default_collate(samples)
+
+    def units(self, batch: Any) -> int | torch.Tensor:
+        """Throughput units in one micro-batch: `units_per_sample` per sample by default.
+
+        Return a tensor (real tokens: `(labels != -100).sum()`) to count what the batch holds;
+        it stays on the device until the next log line, so counting costs no wait.
+        """
+        return self.units_per_sample * batch_size(batch)
+
+    def flops_per_sample(self, model: nn.Module) -> float | None:
+        """Training FLOPs (forward and backward) of one sample, for MFU; None: no MFU."""
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The task's own state (a curriculum's position...), saved in every checkpoint."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned, on resume (after `build_datasets`)."""
+
+
+class _Adopted(TaskBase):
+    """A task that does not derive from TaskBase: its own members first, then the defaults."""
+
+    def __init__(self, task: object) -> None:
+        object.__setattr__(self, "_task", task)
+
+    def __getattribute__(self, name: str) -> Any:
+        if not name.startswith("_"):
+            try:
+                return getattr(object.__getattribute__(self, "_task"), name)
+            except AttributeError:
+                pass
+        return object.__getattribute__(self, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(object.__getattribute__(self, "_task"), name, value)
+
+
+def adopt(task: object) -> TaskBase:
+    """The task as the trainer uses it, with a default for every optional member it lacks.
+
+    Raises TypeError naming the required methods the task does not define.
+    """
+    missing = [
+        name
+        for name in REQUIRED
+        if getattr(type(task), name, getattr(TaskBase, name)) is getattr(TaskBase, name)
+    ]
+    if missing:
+        raise TypeError(
+            f"{type(task).__name__} does not define {', '.join(missing)}: every task needs "
+            f"{', '.join(REQUIRED)} (see contract.py)"
+        )
+    return task if isinstance(task, TaskBase) else _Adopted(task)
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in a batch: the length of its first tensor (in a tuple, list or dict)."""
+    if isinstance(batch, torch.Tensor) and batch.dim() > 0:
+        return len(batch)
+    items = list(batch.values()) if isinstance(batch, dict) else batch
+    if isinstance(items, (list, tuple)):
+        for item in items:
+            try:
+                return batch_size(item)
+            except TypeError:
+                continue
+    raise TypeError(
+        f"cannot tell how many samples a batch of type {type(batch).__name__} holds: define "
+        "Task.units to count the throughput units of a batch"
+    )
