@@ -37,7 +37,6 @@ import argparse
 import gc
 import itertools
 import json
-import random
 import shutil
 import statistics
 import sys
@@ -62,6 +61,7 @@ from {{ cookiecutter.package_name }}.distributed import (
     process_group,
 )
 from {{ cookiecutter.package_name }}.metrics import MetricsLogger
+from {{ cookiecutter.package_name }}.rng import seed_all
 from {{ cookiecutter.package_name }}.stopping import StopRequests
 from {{ cookiecutter.package_name }}.task import Task
 from {{ cookiecutter.package_name }}.trainer import (
@@ -167,13 +167,14 @@ def run_plain(
             static_graph=config.dist.static_graph,
             gradient_as_bucket_view=True,
         )
-    random.seed(seed + env.rank)  # each rank's own dropout, as in the Trainer
-    torch.manual_seed(seed + env.rank)
+    seed_all(seed + env.rank)  # each rank's own dropout, as in the Trainer
     train_set, _ = task.build_datasets()
-    loader, sampler = build_train_loader(train_set, env, config.data, micro, seed, device)
+    loader, sampler = build_train_loader(
+        train_set, env, config.data, micro, seed, device, task.collate
+    )
     steps_per_epoch = len(train_set) // train.global_batch_size
     optimizer = torch.optim.AdamW(
-        task_model.parameters(),
+        task.param_groups(task_model),
         lr=optim.lr,
         betas=optim.betas,
         weight_decay=optim.weight_decay,

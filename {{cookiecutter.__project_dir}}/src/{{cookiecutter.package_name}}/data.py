@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
 
 from .config import DataConfig
 from .distributed import DistEnv
@@ -107,7 +107,7 @@ def build_train_loader(
     micro_batch_size: int,
     seed: int,
     device: torch.device,
-    collate: Callable[[list[Any]], Any],
+    collate: Callable[[list[Any]], Any] = default_collate,
 ) -> tuple[DataLoader, ResumableDistributedSampler]:
     """Full micro-batches only (drop_last): every optimizer step sees exactly the global batch.
 
@@ -134,7 +134,7 @@ def build_eval_loader(
     batch_size: int,
     seed: int,
     device: torch.device,
-    collate: Callable[[list[Any]], Any],
+    collate: Callable[[list[Any]], Any] = default_collate,
 ) -> DataLoader:
     """Every evaluation sample exactly once across all ranks."""
     sampler = EvalShardSampler(len(dataset), env)

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -282,6 +283,19 @@ def gather_rows(values: torch.Tensor) -> torch.Tensor:
     rows = [torch.empty_like(values) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, values)
     return torch.stack(rows)
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """Every rank's picklable `value`, in rank order, through the control group (CPU).
+
+    A collective: every rank must call it at the same point. For small values, rarely: it
+    pickles.
+    """
+    if not is_distributed():
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value, group=_control_group)
+    return values
 
 
 def all_ranks_agree(flag: bool) -> bool:

@@ -13,11 +13,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.optim.lr_scheduler import LambdaLR
-
 from .checkpoint import complete_checkpoints
-from .config import OptimConfig, flatten
+from .config import flatten
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +26,9 @@ REFUSED = {
 }
 #: What applying a changed setting means, where there is more to say than "from now on".
 APPLIED = {
-    "optim.lr": "the optimizer's learning rate and the schedule's peak",
-    "optim.weight_decay": "set in the optimizer",
-    "optim.betas": "set in the optimizer",
+    "optim.lr": "the schedule's peak in every optimizer group that sets no lr of its own",
+    "optim.weight_decay": "in every optimizer group that sets none of its own",
+    "optim.betas": "in every optimizer group that sets none of its own",
     "optim.warmup_steps": "the learning-rate schedule takes its new shape at the current step",
     "optim.min_lr_ratio": "the learning-rate schedule takes its new shape at the current step",
     "train.max_steps": "the learning-rate schedule now ends at the new last step",
@@ -40,13 +37,8 @@ APPLIED = {
     "last bits",
     "train.mixed_precision": "the loss scaler starts afresh when fp16 is turned on",
 }
-#: Settings that change where or whether a run resumes, not the run itself.
-NOT_COMPARED = {"run.dir", "checkpoint.resume"}
-#: Changes that the optimizer and its schedule must be told about after loading their state.
-OPTIMIZER_SETTINGS = {key for key in APPLIED if key.startswith("optim.")} | {
-    "train.max_steps",
-    "train.epochs",
-}
+#: Settings that change where, whether or from what a run starts, not the run itself.
+NOT_COMPARED = {"run.dir", "checkpoint.resume", "init.weights"}
 
 
 class ResumeError(RuntimeError):
@@ -107,22 +99,6 @@ def announce_world_size_change(saved: int, current: int, announce: bool) -> None
             saved,
             current,
         )
-
-
-def apply_optimizer_settings(
-    optimizer: torch.optim.Optimizer, scheduler: LambdaLR, optim: OptimConfig
-) -> None:
-    """Make a loaded optimizer and schedule follow `optim` and the current schedule from now on.
-
-    The loaded state holds the checkpoint's learning rate, betas and weight decay; the schedule
-    function is already the current config's, so the learning rate is recomputed with it.
-    """
-    for group, lr_lambda in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
-        group["weight_decay"] = optim.weight_decay
-        group["betas"] = optim.betas
-        group["initial_lr"] = optim.lr
-        group["lr"] = optim.lr * lr_lambda(scheduler.last_epoch)
-    scheduler.base_lrs = [optim.lr] * len(optimizer.param_groups)
 
 
 def _refusal(key: str) -> str | None:

@@ -111,12 +111,13 @@ def window_figures(
     rows: torch.Tensor,
     steps: int,
     unit: str,
-    units_per_step: float,
-    flops_per_step: float,
+    units: float,
+    flops_per_step: float | None,
     peak: float | None,
 ) -> dict[str, float]:
     """The metrics of one log interval from every rank's `Window` (one row per rank: train_s,
-    data_wait_s, peak_memory).
+    data_wait_s, peak_memory), the throughput `units` all ranks processed in it, and the FLOPs
+    of one step (None: no MFU).
 
     Throughput uses the slowest rank's time: the ranks wait for each other every step, so that
     is the job's pace. A rank that is slow at its own work (a starved DataLoader, a slower
@@ -128,7 +129,7 @@ def window_figures(
     wait_shares = data_wait_s / train_s
     slowest = float(train_s.max())
     world_size = rows.shape[0]
-    rate = steps * units_per_step / slowest
+    rate = units / slowest
     figures = {
         "train/step_time_s": float(step_times.mean()),
         "train/step_time_min_s": float(step_times.min()),
@@ -140,7 +141,7 @@ def window_figures(
         "train/data_wait_max_rank": int(wait_shares.argmax()),
         "train/peak_memory_gb": float(memory.max()) / 1e9,
     }
-    if peak is not None:
+    if peak is not None and flops_per_step is not None:
         figures["train/mfu"] = steps * flops_per_step / slowest / (world_size * peak)
     return figures
 

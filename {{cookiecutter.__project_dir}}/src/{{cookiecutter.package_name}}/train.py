@@ -25,6 +25,7 @@ from .task import Task
 from .tracker import Tracker
 {%- endif %}
 from .trainer import Trainer, batch_split
+from .weights import WeightsError
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with stop.installed(), process_group(env, config.dist) as device:
             return train(config, env, device, run_dir, stop)
-    except ResumeError as error:
+    except (ResumeError, WeightsError, ConfigError) as error:
         log.error("%s", error)
         return 2
 
@@ -102,11 +103,10 @@ def train(
     task = Task(config.task, seed=config.run.seed)
     metrics = MetricsLogger(run_dir, is_main=env.is_main)
     trainer = Trainer(config, task, env, device, run_dir, metrics, stop)
-    if config.checkpoint.resume:
-        trainer.resume()
-    else:
+    if not config.checkpoint.resume:
         require_fresh_run_dir(run_dir)
-        metrics.truncate_after(0)
+    if not (config.checkpoint.resume and trainer.resume()):
+        trainer.start_fresh()
     if env.is_main:
         (run_dir / "config.yaml").write_text(to_yaml(config))
 {%- if cookiecutter.tracker != "none" %}

@@ -1,9 +1,9 @@
 """The training loop: accumulation under `no_sync`, mixed precision, clipping, scheduling,
 exact evaluation, checkpoints and resume.
 
-The task (task.py) supplies data, model, loss and metrics; this module owns how a step runs.
-One optimizer step consumes `accumulation_steps` micro-batches on every rank; gradients are
-all-reduced once, on the last of them.
+The task (task.py) supplies data, model, loss and metrics, through the contract of contract.py;
+this module owns how a step runs. One optimizer step consumes `accumulation_steps` micro-batches
+on every rank; gradients are all-reduced once, on the last of them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 import platform
-import random
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
@@ -20,27 +19,35 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from . import __version__
+from . import __version__, rng
 from .checkpoint import checkpoint_root, latest_checkpoint, load_newest_intact, save_checkpoint
-from .config import Config, ConfigError
+from .config import Config, ConfigError, to_yaml
+from .contract import TaskBase, adopt
 from .data import build_eval_loader, build_train_loader
-from .distributed import DistEnv, all_reduce_sum, check_replicas, gather_rows, wrap_ddp
-from .logs import ProgressBar
-from .metrics import MetricsLogger, read_metrics
-from .profiling import StepProfiler
-from .resume import (
-    OPTIMIZER_SETTINGS,
-    announce_world_size_change,
-    apply_optimizer_settings,
-    changed_settings,
-    check_changes,
+from .distributed import (
+    DistEnv,
+    all_reduce_sum,
+    check_replicas,
+    gather_objects,
+    gather_rows,
+    is_distributed,
+    wrap_ddp,
 )
+from .logs import ProgressBar
+from .losses import MicroLoss, WindowSums
+from .metrics import MetricsLogger, read_metrics
+from .optimizer import build_optimizer, follow_settings, own_options
+from .profiling import StepProfiler
+from .resume import ResumeError, announce_world_size_change, changed_settings, check_changes
 from .stopping import StopRequests
-from .task import Task
 from .throughput import StepMeter, describe, peak_flops, window_figures
+from .weights import export_weights, load_initial_weights
 
 log = logging.getLogger(__name__)
 
@@ -94,28 +101,13 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def capture_rng(device: torch.device) -> dict[str, Any]:
-    """This rank's random number generator states (Python, torch CPU, and CUDA when used)."""
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def restore_rng(state: dict[str, Any], device: torch.device) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
 class Trainer:
     """Runs the optimization for one task on one rank; every rank runs the same Trainer."""
 
     def __init__(
         self,
         config: Config,
-        task: Task,
+        task: object,
         env: DistEnv,
         device: torch.device,
         run_dir: Path,
@@ -123,7 +115,7 @@ class Trainer:
         stop: StopRequests | None = None,
     ) -> None:
         self.config = config
-        self.task = task
+        self.task: TaskBase = adopt(task)
         self.env = env
         self.device = device
         self.run_dir = run_dir
@@ -140,8 +132,12 @@ class Trainer:
             torch.backends.cuda.matmul.allow_tf32 = train.tf32
             torch.backends.cudnn.allow_tf32 = train.tf32
         # The same seed on every rank gives the same initial weights (DDP also broadcasts rank 0's).
-        torch.manual_seed(config.run.seed)
-        self.model = task.build_model().to(device)
+        rng.seed_all(config.run.seed)
+        self.model = self.task.build_model().to(device)
+        self._announce_batch_norm()
+        # The task's groups, as it made them: the options each sets itself outlive a resume.
+        groups = self.task.param_groups(self.model)
+        self.own_group_options = own_options(groups)
         self.ddp: DistributedDataParallel | None = None
         if env.world_size > 1:
             # PowerSGD compresses only after the lr warmup, as its paper advises.
@@ -153,12 +149,24 @@ class Trainer:
         # From here on each rank draws its own random numbers (dropout, augmentation).
         self._seed_rank_streams()
 
-        train_set, eval_set = task.build_datasets()
+        train_set, eval_set = self.task.build_datasets()
         self.train_loader, self.sampler = build_train_loader(
-            train_set, env, config.data, self.micro_batch_size, config.run.seed, device
+            train_set,
+            env,
+            config.data,
+            self.micro_batch_size,
+            config.run.seed,
+            device,
+            self.task.collate,
         )
         self.eval_loader = build_eval_loader(
-            eval_set, env, config.data, train.eval_batch_size, config.run.seed, device
+            eval_set,
+            env,
+            config.data,
+            train.eval_batch_size,
+            config.run.seed,
+            device,
+            self.task.collate,
         )
         # The same on any world size: step s of an epoch always trains on the same global samples.
         self.steps_per_epoch = len(train_set) // train.global_batch_size
@@ -172,13 +180,7 @@ class Trainer:
         )
 
         optim = config.optim
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=optim.lr,
-            betas=optim.betas,
-            weight_decay=optim.weight_decay,
-            fused=device.type == "cuda",
-        )
+        self.optimizer = build_optimizer(self.model, groups, optim, device)
         self.scheduler = LambdaLR(
             self.optimizer,
             partial(
@@ -191,22 +193,45 @@ class Trainer:
         self.autocast_dtype = AUTOCAST_DTYPES[train.mixed_precision]
         # Loss scaling only for fp16: bf16 has fp32's exponent range and needs none.
         self.scaler = torch.amp.GradScaler(device.type, enabled=train.mixed_precision == "fp16")
+        self.ema = self._build_ema()
 
-        # The micro-batch losses since the last log line stay on the device (reading them would
-        # wait for the device): listed in the step, summed in float64 only when read. Kept in
-        # the checkpoint so that resumed logs match.
-        self._window_losses: list[torch.Tensor] = []
-        self._window_loss = torch.zeros((), dtype=torch.float64, device=device)
+        # What the log line reports (losses, counts, throughput units), summed since the last
+        # one where it was computed: nothing in a step waits for the device. Kept in the
+        # checkpoint so that resumed logs match.
+        self.window = WindowSums(device)
         self.window_steps = 0
+        self.total_units = 0.0
+        #: Whether the task's losses are (sum, count) pairs; fixed by its first micro-batch.
+        self.loss_is_sum: bool | None = None
 
         self.meter = StepMeter(device)
-        self.unit = task.throughput_unit
-        self.units_per_step = train.global_batch_size * task.units_per_sample
-        self.flops_per_step = train.global_batch_size * task.flops_per_sample(self.model)
+        self.unit = self.task.throughput_unit
+        flops = self.task.flops_per_sample(self.model)
+        self.flops_per_step = None if flops is None else train.global_batch_size * flops
         precision = train.mixed_precision
         if precision == "none":
             precision = "tf32" if train.tf32 and device.type == "cuda" else "fp32"
         self.peak_flops = peak_flops(device, precision, train.peak_tflops)
+
+    def _announce_batch_norm(self) -> None:
+        """Batch statistics come from each rank's micro-batch: say what that means, once."""
+        norms = sum(isinstance(module, _BatchNorm) for module in self.model.modules())
+        if norms and self.env.is_main:
+            log.warning(
+                "the model has %d BatchNorm layer(s): in training they normalize with the "
+                "statistics of one micro-batch on one rank (%d samples here), so the training "
+                "depends on the micro-batch size and the world size, unlike the rest of the "
+                "step, and the running statistics of rank 0 are kept",
+                norms,
+                self.micro_batch_size,
+            )
+
+    def _build_ema(self) -> AveragedModel | None:
+        """The weights' moving average (ema.decay > 0), updated after every optimizer step."""
+        decay = self.config.ema.decay
+        if decay == 0:
+            return None
+        return AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -224,26 +249,44 @@ class Trainer:
     def train_step(self, batches: Iterator[Any]) -> torch.Tensor | None:
         """One optimizer step over `accumulation_steps` micro-batches.
 
+        A mean loss weighs every micro-batch alike. A (sum, count) loss is backpropagated as
+        sum / (samples per rank per step), and once DDP has averaged the gradients they are
+        scaled by global batch / global count: the gradient of the global batch's sum over its
+        total count, on any world size. The count's all-reduce runs during the last backward.
+
         Returns the gradient norm before clipping when it is computed anyway (clipping on) or
-        will be logged after this step, else None. The losses are kept on the device for the next
-        log line: nothing in a step waits for the device (fp16's inf/nan check aside).
+        will be logged after this step, else None. Nothing in a step waits for the device
+        (fp16's inf/nan check aside).
         """
+        step_count: torch.Tensor | None = None
         try:
             for micro_step in range(self.accumulation_steps):
+                last = micro_step == self.accumulation_steps - 1
                 waiting = time.perf_counter()
                 batch = move_to_device(next(batches), self.device)
                 self.meter.data_wait_s += time.perf_counter() - waiting
-                with self._sync_context(last_micro_step=micro_step == self.accumulation_steps - 1):
+                with self._sync_context(last_micro_step=last):
                     with self.autocast():
-                        loss = self.task.training_loss(self.ddp_model, batch)
-                    self.scaler.scale(loss / self.accumulation_steps).backward()
-                self._window_losses.append(loss.detach())
+                        loss = self._micro_loss(self.task.training_loss(self.ddp_model, batch))
+                    if loss.count is None:
+                        scaled = loss.value / self.accumulation_steps
+                    else:
+                        count = torch.as_tensor(loss.count, device=self.device).double()
+                        step_count = count if step_count is None else step_count + count
+                        scaled = loss.value / (self.micro_batch_size * self.accumulation_steps)
+                    pending = self._start_count_reduce(step_count) if last else None
+                    self.scaler.scale(scaled).backward()
+                self._add_to_window(loss, batch)
         except RuntimeError as error:
             if "find_unused_parameters" in str(error):
                 raise RuntimeError(UNUSED_PARAMETERS_HINT) from error
             raise
         # Clip the true gradients: unscale first (a no-op unless fp16 loss scaling is on).
         self.scaler.unscale_(self.optimizer)
+        if step_count is not None:
+            if pending is not None:
+                pending.wait()
+            self._rescale_gradients(self.config.train.global_batch_size / step_count.clamp(min=1))
         grad_clip = self.config.optim.grad_clip
         grad_norm = None
         if grad_clip > 0:
@@ -257,7 +300,43 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update_parameters(self.model)
         return grad_norm
+
+    def _micro_loss(self, result: Any) -> MicroLoss:
+        """The task's loss, which must keep one form (mean, or sum and count) for the run."""
+        loss = MicroLoss.of(result)
+        is_sum = loss.count is not None
+        if self.loss_is_sum is None:
+            self.loss_is_sum = is_sum
+        elif is_sum != self.loss_is_sum:
+            raise TypeError(
+                "training_loss returned a count for some micro-batches and not for others: "
+                "return (loss_sum, count) always, or a mean always"
+            )
+        return loss
+
+    def _start_count_reduce(self, count: torch.Tensor | None) -> dist.Work | None:
+        """Sum the step's counts over ranks, overlapped with the last backward."""
+        if count is None or not is_distributed():
+            return None
+        return dist.all_reduce(count, op=dist.ReduceOp.SUM, async_op=True)
+
+    def _rescale_gradients(self, factor: torch.Tensor) -> None:
+        """Multiply every gradient by `factor`, a device scalar: no wait for the device."""
+        grads = [param.grad for param in self.model.parameters() if param.grad is not None]
+        for dtype in {grad.dtype for grad in grads}:
+            same = [grad for grad in grads if grad.dtype == dtype]
+            torch._foreach_mul_(same, factor.to(dtype))
+
+    def _add_to_window(self, loss: MicroLoss, batch: Any) -> None:
+        """What the next log line reports: loss and components summed with their counts."""
+        self.window.add("loss", loss.value)
+        self.window.add("count", 1 if loss.count is None else loss.count)
+        for name, value in loss.parts.items():
+            self.window.add(f"part/{name}", value)
+        self.window.add("units", self.task.units(batch))
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -315,6 +394,8 @@ class Trainer:
                     return self._stopped()
         self.stop.close()
         log.info("training complete at step %d", self.step)
+        if self.config.checkpoint.export:
+            self.export()
         return 0
 
     def _log_start(self) -> None:
@@ -354,6 +435,9 @@ class Trainer:
             self._log_train(epoch, grad_norm)
         if self._due(config.train.eval_every):
             self.metrics.log(self.step, {f"eval/{k}": v for k, v in self.evaluate().items()})
+            if self.ema is not None:
+                metrics = self.evaluate(self.ema.module, "eval (EMA)")
+                self.metrics.log(self.step, {f"eval_ema/{k}": v for k, v in metrics.items()})
         if self._due(config.checkpoint.every_steps):
             self.save()
 
@@ -365,31 +449,38 @@ class Trainer:
     def _log_train(self, epoch: int, grad_norm: torch.Tensor | None) -> None:
         window = self.meter.window()
         self.meter.pause()
-        # One collective per log line, gathered from every rank at the same step: the loss sums
-        # and each rank's timings (the spread shows stragglers).
+        # One collective per log line, gathered from every rank at the same step: the sums of
+        # losses, counts and units, and each rank's timings (the spread shows stragglers).
+        names = self.window.names()
+        sums = self.window.totals(names)
         local = [window.train_s, window.data_wait_s, float(window.peak_memory)]
-        window_loss = self.window_loss()
-        values = torch.cat([window_loss.reshape(1), window_loss.new_tensor(local)])
-        rows = gather_rows(values).cpu()
-        micro_batches = rows.shape[0] * self.window_steps * self.accumulation_steps
-        loss = float(rows[:, 0].sum()) / micro_batches
+        rows = gather_rows(torch.cat([sums, sums.new_tensor(local)])).cpu()
+        totals = dict(zip(names, rows[:, : len(names)].sum(dim=0).tolist(), strict=True))
+        self.total_units += totals["units"]
         figures = window_figures(
-            rows[:, 1:],
+            rows[:, len(names) :],
             window.steps,
             self.unit,
-            self.units_per_step,
+            totals["units"],
             self.flops_per_step,
             self.peak_flops,
         )
-        values = {"train/loss": loss, "train/lr": self.scheduler.get_last_lr()[0]}
-        line = f"step {self.step}/{self.total_steps} | epoch {epoch} | loss {loss:.4f} | "
-        line += f"lr {values['train/lr']:.2e}"
+        # Means over the window: every micro-batch alike, or every counted item alike.
+        losses = {
+            f"train/{name.removeprefix('part/')}": totals[name] / totals["count"]
+            for name in names
+            if name == "loss" or name.startswith("part/")
+        }
+        values = {**losses, "train/lr": self.scheduler.get_last_lr()[0]}
+        line = f"step {self.step}/{self.total_steps} | epoch {epoch} | "
+        line += " | ".join(f"{name[6:]} {value:.4f}" for name, value in losses.items())
+        line += f" | lr {values['train/lr']:.2e}"
         if grad_norm is not None:
             values["train/grad_norm"] = grad_norm.item()
             line += f" | grad norm {values['train/grad_norm']:.3f}"
         log.info("%s | %s", line, describe(figures, self.unit))
         self.metrics.log(self.step, {**values, **figures, "epoch": epoch})
-        self._window_loss.zero_()
+        self.window.reset()
         self.window_steps = 0
         self.meter.resume()
 
@@ -398,7 +489,7 @@ class Trainer:
         if not self.env.is_main:
             return
         meter = self.meter
-        rate = meter.total_steps * self.units_per_step / max(meter.total_train_s, 1e-9)
+        rate = self.total_units / max(meter.total_train_s, 1e-9)
         evals = [
             (r["eval/loss"], r["step"]) for r in read_metrics(self.run_dir) if "eval/loss" in r
         ]
@@ -422,26 +513,45 @@ class Trainer:
         )
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Metrics over the whole evaluation set, each sample counted once across all ranks.
+    def evaluate(
+        self, model: torch.nn.Module | None = None, name: str = "eval"
+    ) -> dict[str, float]:
+        """Metrics of `model` (default: the one trained) over the whole evaluation set, each
+        sample counted once across all ranks. Its time is left out of the training throughput.
 
-        Its time is left out of the training throughput.
+        Each rank adds up the task's `evaluation_sums` in float64; the ranks agree on the
+        entries (a rank may have had no batch), sum them in one all-reduce, and the task turns
+        the totals into metrics (`evaluation_metrics`).
         """
         self.meter.pause()
-        self.model.eval()
-        names = (*self.task.metric_names, "count")
-        totals = torch.zeros(len(names), dtype=torch.float64, device=self.device)
+        model = model or self.model
+        model.eval()
+        local: dict[str, torch.Tensor] = {}
         for batch in self.eval_loader:
             with self.autocast():
-                sums = self.task.evaluation_sums(self.model, move_to_device(batch, self.device))
-            totals += torch.stack([sums[name].double() for name in names])
-        all_reduce_sum(totals)
-        count = totals[-1].item()
-        metrics = {
-            name: (totals[i] / count).item() for i, name in enumerate(self.task.metric_names)
-        }
+                sums = self.task.evaluation_sums(model, move_to_device(batch, self.device))
+            for key, value in sums.items():
+                parts = value if isinstance(value, tuple) else (value,)
+                vector = torch.stack(
+                    [torch.as_tensor(part, device=self.device).double() for part in parts]
+                )
+                local[key] = local[key] + vector if key in local else vector
+        layout: dict[str, int] = {}
+        for shapes in gather_objects({key: len(value) for key, value in local.items()}):
+            layout.update({key: size for key, size in shapes.items() if key not in layout})
+        flat = [
+            local.get(key, torch.zeros(size, dtype=torch.float64, device=self.device))
+            for key, size in layout.items()
+        ]
+        reduced = all_reduce_sum(torch.cat(flat)).tolist() if flat else []
+        totals: dict[str, Any] = {}
+        for key, size in layout.items():
+            values, reduced = reduced[:size], reduced[size:]
+            totals[key] = values[0] if size == 1 else tuple(values)
+        metrics = self.task.evaluation_metrics(totals)
         log.info(
-            "eval at step %d | %s",
+            "%s at step %d | %s",
+            name,
             self.step,
             " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
         )
@@ -466,6 +576,8 @@ class Trainer:
                 "epoch": self.sampler.epoch,
                 "start_index": self.sampler.start_index,
             },
+            "task": self.task.state_dict(),
+            "ema": None if self.ema is None else self.ema.state_dict(),
             "world_size": self.env.world_size,
             "global_batch_size": self.config.train.global_batch_size,
             "config": self.config.to_dict(),
@@ -476,19 +588,17 @@ class Trainer:
             },
         }
 
-    def window_loss(self) -> torch.Tensor:
-        """This rank's sum of the micro-batch losses since the last log line (float64)."""
-        if self._window_losses:
-            self._window_loss += torch.stack(self._window_losses).double().sum()
-            self._window_losses.clear()
-        return self._window_loss
-
     def rank_state_dict(self) -> dict[str, Any]:
-        """What differs between ranks: RNG streams and this rank's share of the logging window."""
+        """What differs between ranks: RNG streams and this rank's share of the logging window.
+
+        The throughput units are left out: they go with the meter's clock, which restarts with
+        every launch.
+        """
+        window = {k: v for k, v in self.window.state_dict().items() if k != "units"}
         return {
             "rank": self.env.rank,
-            "rng": capture_rng(self.device),
-            "window_loss": self.window_loss(),
+            "rng": rng.capture(self.device),
+            "window": window,
             "window_steps": self.window_steps,
         }
 
@@ -511,37 +621,88 @@ class Trainer:
     def resume(self) -> bool:
         """Continue from the newest checkpoint that every rank can load, if there is one.
 
-        A collective. Settings changed since the checkpoint are refused or applied (resume.py);
-        on another number of ranks, the per-rank random streams are derived afresh.
+        A collective. Settings changed since the checkpoint are refused or applied (resume.py),
+        each optimizer group follows the current settings and its own options again
+        (optimizer.py); on another number of ranks, the per-rank random streams are derived
+        afresh.
         """
         loaded = load_newest_intact(self.run_dir, self.env)
         if loaded is None:
-            self.metrics.truncate_after(0)  # a run that died before its first checkpoint
             return False
         state, announce = loaded.state, self.env.is_main
         changes = changed_settings(state["config"], self.config.to_dict())
         check_changes(changes, loaded.path, announce)
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except ValueError as error:  # other groups, or groups of other sizes
+            saved = [len(group["params"]) for group in state["optimizer"]["param_groups"]]
+            now = [len(group["params"]) for group in self.optimizer.param_groups]
+            raise ResumeError(
+                f"cannot resume {loaded.path}: its optimizer has parameter groups of {saved} "
+                f"tensors, and the task's param_groups now makes groups of {now} ({error}). "
+                "Restore the task's param_groups, or start a new run with another run.dir."
+            ) from error
         self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:  # empty when saved without fp16 loss scaling
             self.scaler.load_state_dict(state["scaler"])
-        if changes.keys() & OPTIMIZER_SETTINGS:
-            apply_optimizer_settings(self.optimizer, self.scheduler, self.config.optim)
+        follow_settings(
+            self.optimizer, self.scheduler, self.own_group_options, self.config.optim, announce
+        )
+        self._resume_ema(state.get("ema"), announce)
+        if "task" in state:  # checkpoints of contract version 1 hold no task state
+            self.task.load_state_dict(state["task"])
         self.step = state["step"]
         if loaded.rank_state is not None:
-            restore_rng(loaded.rank_state["rng"], self.device)
-            self._window_loss = loaded.rank_state["window_loss"].to(self.device)
+            rng.restore(loaded.rank_state["rng"], self.device)
+            self.window.load_state_dict(_window_state(loaded.rank_state, self.accumulation_steps))
             self.window_steps = loaded.rank_state["window_steps"]
         else:
             announce_world_size_change(loaded.world_size, self.env.world_size, announce)
             self._seed_rank_streams()
         self.metrics.truncate_after(self.step)
+        if self.config.init.weights and announce:
+            log.info("init.weights is not used: the run continues from its own checkpoint")
         log.info("resumed from %s at step %d", loaded.path, self.step)
         return True
 
+    def start_fresh(self) -> None:
+        """Begin at step 0: forget records of a run that died before its first checkpoint, and
+        load init.weights when set (fine-tuning: the optimizer and schedule start afresh)."""
+        self.metrics.truncate_after(0)
+        if self.config.init.weights:
+            source = load_initial_weights(self.model, self.config.init.weights)
+            if self.env.is_main:
+                log.info("initialised the model with the %s", source)
+
+    def _resume_ema(self, saved: dict[str, Any] | None, announce: bool) -> None:
+        if self.ema is not None and saved is not None:
+            self.ema.load_state_dict(saved)
+        elif self.ema is not None and announce:
+            log.info("ema.decay is on from now: the average starts from the resumed weights")
+        elif saved is not None and announce:
+            log.info("ema.decay=0: the checkpoint's moving average is dropped")
+
     def _seed_rank_streams(self) -> None:
         """This rank's own random streams (dropout, augmentation), from the seed, rank and step."""
-        seed = self.config.run.seed + self.env.rank + self.step * 1_000_003
-        random.seed(seed)
-        torch.manual_seed(seed)
+        rng.seed_all(self.config.run.seed + self.env.rank + self.step * 1_000_003)
+
+    def export(self) -> None:
+        """Rank 0 writes the weights (and their moving average) as safetensors with the config,
+        for `weights.load_model` and other programs."""
+        if not self.env.is_main:
+            return
+        config_yaml = to_yaml(self.config)
+        path = export_weights(self.model, self.run_dir, config_yaml)
+        if self.ema is not None:
+            export_weights(self.ema.module, self.run_dir, config_yaml, name="model_ema")
+        log.info("exported the weights to %s", path.parent)
+
+
+def _window_state(rank_state: dict[str, Any], accumulation_steps: int) -> dict[str, torch.Tensor]:
+    """The logging window of a rank file; those of release 0.4 hold the sum of micro-batch
+    means alone, over window_steps x accumulation_steps micro-batches."""
+    if "window" in rank_state:
+        return rank_state["window"]
+    micro_batches = rank_state["window_steps"] * accumulation_steps
+    return {"loss": rank_state["window_loss"], "count": torch.tensor(float(micro_batches))}
