@@ -1,0 +1,189 @@
+"""Tasks unlike the shipped example, for the tests of the Task contract (contract.py).
+
+They ignore the project's TaskConfig, so these tests hold whatever task.py the project has:
+- `TokenTask`: variable-length token sequences in dict batches, padded by its own `collate`,
+  a (sum, count) loss over the real tokens with a logged component, throughput in real tokens,
+  two named parameter groups, tied input and output weights, metrics with their own counts and
+  an F1 derived from the totals, and state of its own in checkpoints.
+- `FirstReleaseTask`: written against the first release's interface: no base class, a mean
+  loss, `metric_names`, and none of the members added since.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import Dataset, TensorDataset
+
+from {{ cookiecutter.package_name }}.contract import TaskBase
+
+VOCAB = 16
+PAD = -100
+
+
+class Sequences(Dataset):
+    """Token sequences of 3 to 12 tokens, deterministic from the seed; item i is a dict."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(3, 13, (size,), generator=generator)
+        self.items = [torch.randint(VOCAB, (int(n),), generator=generator) for n in lengths]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"tokens": self.items[index]}
+
+
+class TiedTokenModel(nn.Module):
+    """Per-token next-token logits through an embedding whose matrix is also the output head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, 8)
+        self.hidden = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, VOCAB, bias=False)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(torch.tanh(self.hidden(self.embedding(input_ids)))))
+
+
+class TokenTask(TaskBase):
+    """Next-token prediction on padded sequences; `mean_loss=True` averages each micro-batch
+    instead (what the (sum, count) form exists to avoid)."""
+
+    throughput_unit = "tokens"
+
+    def __init__(
+        self, config: Any, seed: int, dtype: torch.dtype = torch.float32, mean_loss: bool = False
+    ) -> None:
+        self.seed = seed
+        self.dtype = dtype
+        self.mean_loss = mean_loss
+        self.batches_seen = 0
+
+    def build_model(self) -> nn.Module:
+        return TiedTokenModel().to(self.dtype)
+
+    def build_datasets(self) -> tuple[Dataset, Dataset]:
+        return Sequences(256, self.seed), Sequences(37, self.seed + 1)
+
+    def collate(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Inputs and next-token labels padded to the longest sequence; padding is labelled -100."""
+        width = max(len(sample["tokens"]) for sample in samples) - 1
+        input_ids = torch.zeros(len(samples), width, dtype=torch.long)
+        labels = torch.full((len(samples), width), PAD, dtype=torch.long)
+        for row, sample in enumerate(samples):
+            tokens = sample["tokens"]
+            input_ids[row, : len(tokens) - 1] = tokens[:-1]
+            labels[row, : len(tokens) - 1] = tokens[1:]
+        return {"input_ids": input_ids, "labels": labels}
+
+    def training_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict:
+        self.batches_seen += 1
+        logits = model(batch["input_ids"]).flatten(0, 1)
+        labels = batch["labels"].flatten()
+        real = labels != PAD
+        loss_sum = F.cross_entropy(logits, labels, ignore_index=PAD, reduction="sum")
+        z_sum = (torch.logsumexp(logits, dim=-1) ** 2 * real).sum()
+        if self.mean_loss:
+            return loss_sum / real.sum()
+        return {"loss": loss_sum, "count": real.sum(), "z_loss": z_sum}
+
+    def units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (batch["labels"] != PAD).sum()
+
+    def evaluation_sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict:
+        logits = model(batch["input_ids"]).double().flatten(0, 1)
+        labels = batch["labels"].flatten()
+        real = labels != PAD
+        predicted = logits.argmax(dim=-1)
+        # Token 0 as the positive class of a binary F1: its counts add up across ranks.
+        positive, predicted_positive = (labels == 0) & real, (predicted == 0) & real
+        return {
+            "loss": (
+                F.cross_entropy(logits, labels, ignore_index=PAD, reduction="sum"),
+                real.sum(),
+            ),
+            "accuracy": (((predicted == labels) & real).sum(), real.sum()),
+            "true_positives": (positive & predicted_positive).sum(),
+            "false_positives": (~positive & predicted_positive).sum(),
+            "false_negatives": (positive & ~predicted_positive).sum(),
+        }
+
+    def evaluation_metrics(self, totals: dict[str, Any]) -> dict[str, float]:
+        tp, fp, fn = (
+            totals[f"{kind}s"] for kind in ("true_positive", "false_positive", "false_negative")
+        )
+        loss, tokens = totals["loss"]
+        correct, _ = totals["accuracy"]
+        f1 = 2 * tp / max(2 * tp + fp + fn, 1)
+        return {"loss": loss / tokens, "accuracy": correct / tokens, "f1": f1}
+
+    def param_groups(self, model: nn.Module) -> list[dict[str, Any]]:
+        matrices = [model.hidden.weight]
+        rest = [param for param in model.parameters() if param is not model.hidden.weight]
+        return [
+            {"name": "matrices", "params": matrices},
+            {"name": "embeddings_biases_norms", "params": rest, "weight_decay": 0.0},
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"batches_seen": self.batches_seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.batches_seen = state["batches_seen"]
+
+
+class FirstReleaseTask:
+    """A task of release 0.1's interface: an MLP on random features, with NumPy augmentation."""
+
+    metric_names = ("loss", "accuracy")
+
+    def __init__(self, config: Any, seed: int) -> None:
+        self.seed = seed
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 3))
+
+    def build_datasets(self) -> tuple[Dataset, Dataset]:
+        generator = torch.Generator().manual_seed(self.seed)
+        inputs, labels = torch.randn(300, 4, generator=generator), torch.randint(3, (300,))
+        return NumpyJitter(TensorDataset(inputs[:256], labels[:256])), TensorDataset(
+            inputs[256:], labels[256:]
+        )
+
+    def training_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        inputs, labels = batch
+        return F.cross_entropy(model(inputs), labels)
+
+    def evaluation_sums(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        inputs, labels = batch
+        logits = model(inputs).double()
+        return {
+            "loss": F.cross_entropy(logits, labels, reduction="sum"),
+            "accuracy": (logits.argmax(dim=-1) == labels).sum(),
+            "count": torch.tensor(labels.numel()),
+        }
+
+
+class NumpyJitter(Dataset):
+    """Adds noise drawn from NumPy's global generator, as augmentation code often does."""
+
+    def __init__(self, dataset: TensorDataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, label = self.dataset[index]
+        noise = torch.from_numpy(numpy.random.normal(0.0, 0.1, size=inputs.shape))
+        return inputs + noise.to(inputs.dtype), label
