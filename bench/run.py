@@ -10,7 +10,9 @@ OMP_NUM_THREADS=1) with the default task's MLP at micro-batch 32 in fp32:
    the project's own entry point and for Lightning, alternating, `--launches` times each;
 3. the project's benchmarks/allreduce.py sweep (gloo, 2 ranks);
 4. with `--before REF`: the same overhead benchmark against the Trainer of the template at the
-   git commit REF (its render, with today's benchmarks/overhead.py copied in).
+   git commit REF (its render, with today's benchmarks/overhead.py copied in);
+5. the `gpt` example's Trainer with its mean token loss against the same loss returned as
+   (sum, count) (loss_forms.py), in a render of that example.
 
 Then writes docs/benchmarks.md with the machine, the conditions and the figures.
 """
@@ -58,14 +60,15 @@ def run(args: list[str], project: Path, log: Path) -> None:
         raise SystemExit(f"failed: torchrun {' '.join(args)}\n{log.read_text()[-4000:]}")
 
 
-def render(template: Path, output: Path) -> Path:
-    """The default project of `template`, rendered in a process of its own.
+def render(template: Path, output: Path, *answers: str) -> Path:
+    """The project of `template` for `answers` (key=value; default: none), rendered in a
+    process of its own.
 
     From the template's directory: `python -m` puts the working directory first on the import
     path, and the template's own Jinja extensions (local_extensions.py) must be the ones found.
     """
     shutil.rmtree(output, ignore_errors=True)
-    command = [sys.executable, "-m", "cookiecutter", "--no-input", str(template)]
+    command = [sys.executable, "-m", "cookiecutter", "--no-input", str(template), *answers]
     subprocess.run([*command, "--output-dir", str(output)], cwd=template, check=True)
     return output / "ddp-project"
 
@@ -106,6 +109,16 @@ def first_step_s(kind: str, project: Path, attempt: int) -> float:
     if process.wait() != 0 or done is None:
         raise SystemExit(f"{kind} launch failed:\n{(work / 'launch.log').read_text()[-4000:]}")
     return done - started
+
+
+def loss_forms(args: argparse.Namespace) -> dict:
+    """The gpt example's step time with a mean loss and with (sum, count), taking turns."""
+    project = render(ROOT, OUT / "gpt", "example=gpt")
+    result = OUT / "loss_forms.json"
+    options = [f"--repeats={args.repeats}", f"--project={project}", f"--json={result}"]
+    overrides = ["train.mixed_precision=none", "data.num_workers=0"]
+    run([str(BENCH / "loss_forms.py"), *options, *overrides], project, OUT / "loss_forms.log")
+    return json.loads(result.read_text())
 
 
 def launch_times(project: Path, launches: int) -> dict[str, list[float]]:
@@ -284,6 +297,27 @@ def document(figures: dict) -> str:
             accumulation["plain"],
         ),
         "",
+        "## A loss over tokens: (sum, count) against a mean",
+        "",
+        "The `gpt` example's default model (2 layers, 128 wide, 64-byte context) at its default",
+        "global batch of 128 sequences in fp32: its Trainer with the example's loss, the mean over",
+        "a micro-batch's tokens, and with the same loss returned as (sum, count), which the",
+        "Trainer normalises over the global batch's tokens (an all-reduce of one number during",
+        "the last backward, and a multiplication of the gradients). 20 warm-up steps, then 100",
+        "timed ones, the two taking turns.",
+        "",
+        *loop_table(
+            figures["loss_forms"],
+            {"mean": "mean over the micro-batch", "sum_count": "(loss_sum, count)"},
+        ),
+        "",
+        *RATIO_HEADER,
+        ratio_row(
+            "(loss_sum, count) / mean",
+            figures["loss_forms"]["sum_count"],
+            figures["loss_forms"]["mean"],
+        ),
+        "",
         "## Launch to first step",
         "",
         "From starting torchrun to the end of the first optimizer step on rank 0: the project's",
@@ -354,6 +388,8 @@ def main() -> int:
     figures["launch"] = launch_times(project, args.launches)
     print("all-reduce ...", flush=True)
     figures["allreduce"] = allreduce(project)
+    print("the gpt example's loss forms ...", flush=True)
+    figures["loss_forms"] = loss_forms(args)
     if args.before:
         print(f"the Trainer of {args.before} ...", flush=True)
         figures["before"] = before(args.before, project, args)

@@ -125,13 +125,19 @@ class ClockedStopRequests(StopRequests):
 
 
 def run_trainer(
-    config: Config, env: DistEnv, device: torch.device, run_dir: Path, clock: StepClock
+    config: Config,
+    env: DistEnv,
+    device: torch.device,
+    run_dir: Path,
+    clock: StepClock,
+    task: object | None = None,
 ) -> Weights:
-    """Train with the project's Trainer; returns the final weights."""
+    """Train `task` (default: the project's) with the project's Trainer; returns the final
+    weights."""
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = config.checkpoint
     stop = ClockedStopRequests(clock, checkpoint.stop_on_signals, checkpoint.stop_check_s)
-    task = Task(config.task, seed=config.run.seed)
+    task = task or Task(config.task, seed=config.run.seed)
     metrics = MetricsLogger(run_dir, is_main=env.is_main)
     trainer = Trainer(config, task, env, device, run_dir, metrics, stop)
     trainer.fit()

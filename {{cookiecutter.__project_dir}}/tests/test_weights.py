@@ -14,12 +14,15 @@ from {{ cookiecutter.package_name }}.checkpoint import save_checkpoint
 from {{ cookiecutter.package_name }}.config import Config, load_config, to_yaml
 from {{ cookiecutter.package_name }}.distributed import DistEnv
 from {{ cookiecutter.package_name }}.task import Task
+from {{ cookiecutter.package_name }}.train import main
 from {{ cookiecutter.package_name }}.weights import (
     WeightsError,
     export_weights,
     load_initial_weights,
     load_model,
 )
+
+from .helpers import FAST, make_trainer
 
 
 class Tied(nn.Module):
@@ -291,3 +294,26 @@ def test_unreadable_file_fails(tmp_path: Path, name: str) -> None:
 def test_directory_without_checkpoints_fails(tmp_path: Path) -> None:
     with pytest.raises(WeightsError, match="neither a run directory nor a checkpoint directory"):
         load_initial_weights(nn.Linear(2, 2), tmp_path)
+
+
+def test_a_new_run_starts_from_init_weights_at_step_zero_with_a_fresh_optimizer(
+    fast_config: Config, tmp_path: Path
+) -> None:
+    pretrained = make_trainer(fast_config)
+    pretrained.fit()
+    finetune = load_config(
+        None, [*FAST, f"run.dir={tmp_path / 'finetune'}", f"init.weights={fast_config.run.dir}"]
+    )
+    trainer = make_trainer(finetune)
+    trainer.start_fresh()
+    assert_same_weights(trainer.model, copy_of(pretrained.model))
+    assert trainer.step == 0 and not trainer.optimizer.state_dict()["state"]
+
+
+def test_weights_of_another_shape_end_the_launch_with_exit_2_and_the_names(
+    fast_config: Config, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    torch.save({"unrelated.weight": torch.zeros(2, 2)}, tmp_path / "other.pt")
+    overrides = [*FAST, f"run.dir={tmp_path / 'run'}", f"init.weights={tmp_path / 'other.pt'}"]
+    assert main(overrides) == 2
+    assert "unrelated.weight" in capsys.readouterr().err

@@ -434,10 +434,11 @@ class Trainer:
         if self._due(config.train.log_every):
             self._log_train(epoch, grad_norm)
         if self._due(config.train.eval_every):
-            self.metrics.log(self.step, {f"eval/{k}": v for k, v in self.evaluate().items()})
+            record = {f"eval/{k}": v for k, v in self.evaluate().items()}
             if self.ema is not None:
-                metrics = self.evaluate(self.ema.module, "eval (EMA)")
-                self.metrics.log(self.step, {f"eval_ema/{k}": v for k, v in metrics.items()})
+                averaged = self.evaluate(self.ema.module, "eval (EMA)")
+                record.update({f"eval_ema/{k}": v for k, v in averaged.items()})
+            self.metrics.log(self.step, record)
         if self._due(config.checkpoint.every_steps):
             self.save()
 

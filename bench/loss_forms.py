@@ -1,0 +1,79 @@
+"""The cost of a (loss_sum, count) training loss against a mean, on the gpt example.
+
+Run by run.py in a render of the `gpt` example: `torchrun --nproc-per-node=2 bench/loss_forms.py
+--project DIR --json FILE [section.key=value ...]`. The example's Task returns the mean over
+the tokens of a micro-batch; `SummedTokens` returns the same loss as a sum and the number of
+tokens, which the Trainer then normalises over the global batch (one more all-reduce of a
+scalar per step, and a multiplication of the gradients). The two take turns, `--repeats` times,
+in one launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from ddp_project.distributed import detect_env, process_group
+from ddp_project.task import Task
+from torch.nn import functional as F
+
+
+class SummedTokens(Task):
+    """The gpt example with its loss returned as (sum over the tokens, number of tokens)."""
+
+    def training_loss(
+        self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = batch
+        logits = model(inputs).flatten(0, 1)
+        loss_sum = F.cross_entropy(logits, targets.flatten(), reduction="sum")
+        return loss_sum, torch.tensor(targets.numel(), device=targets.device)
+
+
+def load_overhead(project: Path) -> ModuleType:
+    path = project / "benchmarks" / "overhead.py"
+    spec = importlib.util.spec_from_file_location("overhead", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--project", type=Path, required=True)
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--warmup-steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("overrides", nargs="*", help="section.key=value")
+    args = parser.parse_args()
+    overhead = load_overhead(args.project)
+    env = detect_env()
+    config_file = args.project / "configs" / "default.yaml"
+    config = overhead.benchmark_config(config_file, args.overrides, args.warmup_steps, args.steps)
+    runs: dict[str, list] = {"mean": [], "sum_count": []}
+    with process_group(env, config.dist) as device:
+        root = overhead.shared_temporary_dir(env)
+        for repeat in range(args.repeats):
+            for name, task_class in (("mean", Task), ("sum_count", SummedTokens)):
+                clock = overhead.StepClock(device, args.warmup_steps, args.steps)
+                task = task_class(config.task, seed=config.run.seed)
+                overhead.run_trainer(config, env, device, root / f"{name}-{repeat}", clock, task)
+                runs[name].append(overhead.slowest(clock.figures()))
+                gc.collect()
+        results = {name: overhead.summary(figures) for name, figures in runs.items()}
+        if env.is_main:
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
+            shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
