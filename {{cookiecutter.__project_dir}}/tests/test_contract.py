@@ -134,7 +134,8 @@ def test_metrics_with_their_own_counts_and_derived_metrics_are_reported(tmp_path
     assert set(metrics) == {"loss", "accuracy", "f1"}
     sums = {"loss": 0.0, "correct": 0.0, "tokens": 0.0, "tp": 0.0, "fp": 0.0, "fn": 0.0}
     for batch in trainer.eval_loader:
-        entries = trainer.task.evaluation_sums(trainer.model, batch)
+        with torch.no_grad():
+            entries = trainer.task.evaluation_sums(trainer.model, batch)
         sums["loss"] += float(entries["loss"][0])
         sums["tokens"] += float(entries["loss"][1])
         sums["correct"] += float(entries["accuracy"][0])

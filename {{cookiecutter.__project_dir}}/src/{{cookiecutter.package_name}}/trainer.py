@@ -199,7 +199,6 @@ class Trainer:
         # one where it was computed: nothing in a step waits for the device. Kept in the
         # checkpoint so that resumed logs match.
         self.window = WindowSums(device)
-        self.window_steps = 0
         self.total_units = 0.0
         #: Whether the task's losses are (sum, count) pairs; fixed by its first micro-batch.
         self.loss_is_sum: bool | None = None
@@ -271,7 +270,7 @@ class Trainer:
                     if loss.count is None:
                         scaled = loss.value / self.accumulation_steps
                     else:
-                        count = torch.as_tensor(loss.count, device=self.device).double()
+                        count = self._device_count(loss.count)
                         step_count = count if step_count is None else step_count + count
                         scaled = loss.value / (self.micro_batch_size * self.accumulation_steps)
                     pending = self._start_count_reduce(step_count) if last else None
@@ -316,6 +315,13 @@ class Trainer:
                 "return (loss_sum, count) always, or a mean always"
             )
         return loss
+
+    def _device_count(self, count: torch.Tensor | float) -> torch.Tensor:
+        """A count as a float64 device scalar; a number is filled in on the device, since
+        copying it there would wait for the device."""
+        if isinstance(count, torch.Tensor):
+            return count.to(self.device, torch.float64)
+        return torch.full((), float(count), dtype=torch.float64, device=self.device)
 
     def _start_count_reduce(self, count: torch.Tensor | None) -> dist.Work | None:
         """Sum the step's counts over ranks, overlapped with the last backward."""
@@ -383,7 +389,6 @@ class Trainer:
                     break
                 grad_norm = self.train_step(batches)
                 self.step += 1
-                self.window_steps += 1
                 self.meter.steps += 1
                 profiler.step()
                 progress.update(self.step)
@@ -482,7 +487,6 @@ class Trainer:
         log.info("%s | %s", line, describe(figures, self.unit))
         self.metrics.log(self.step, {**values, **figures, "epoch": epoch})
         self.window.reset()
-        self.window_steps = 0
         self.meter.resume()
 
     def _log_summary(self, first_step: int, wall_s: float) -> None:
@@ -600,7 +604,6 @@ class Trainer:
             "rank": self.env.rank,
             "rng": rng.capture(self.device),
             "window": window,
-            "window_steps": self.window_steps,
         }
 
     def save(self) -> Path:
@@ -657,7 +660,6 @@ class Trainer:
         if loaded.rank_state is not None:
             rng.restore(loaded.rank_state["rng"], self.device)
             self.window.load_state_dict(_window_state(loaded.rank_state, self.accumulation_steps))
-            self.window_steps = loaded.rank_state["window_steps"]
         else:
             announce_world_size_change(loaded.world_size, self.env.world_size, announce)
             self._seed_rank_streams()
