@@ -24,6 +24,7 @@ KEEP_ONLY_IF = {
     "configs/gpt-small.yaml": {"example": "gpt"},
     "configs/gpt2-124m.yaml": {"example": "gpt"},
     "tests/test_gpt.py": {"example": "gpt"},
+    "tests/test_classifier.py": {"example": "classifier"},
     "src/{package_name}/tracker.py": {"tracker": ["tensorboard", "wandb", "mlflow"]},
     "tests/test_tracker.py": {"tracker": ["tensorboard", "wandb", "mlflow"]},
     ".github": {"ci": "github"},

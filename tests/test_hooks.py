@@ -215,6 +215,7 @@ def make_tree(root: Path, paths: list[str]) -> None:
 
 def test_post_gen_removes_exactly_the_deselected_files(tmp_path: Path) -> None:
     answers = {**VALID, "use_slurm": False, "use_docker": True, "tracker": "none", "ci": "gitlab"}
+    answers["example"] = "classifier"
     post_gen = load_hook("post_gen_project.py", answers)
     table = [p.format(package_name="ddp_project") for p in post_gen.KEEP_ONLY_IF]
     directories = {"launch/slurm", ".github"}
@@ -223,6 +224,7 @@ def test_post_gen_removes_exactly_the_deselected_files(tmp_path: Path) -> None:
     remaining = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
     assert remaining == {
         "keep.py",
+        "tests/test_classifier.py",
         "Dockerfile",
         ".dockerignore",
         "apptainer.def",

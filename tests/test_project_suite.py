@@ -9,8 +9,8 @@ CI, license, metadata) that the render tests and the launcher tests check. So:
   whole suite; the fault tests (crashes, hangs and restarts under torchrun, up to a minute
   each) run beside it from a source tree, so that the two halves can share the workers.
 - Every value of the options that the shared test helpers read (tests/helpers.py and the
-  like: the model and data every multi-process test trains, today the example task) runs the
-  whole suite but the fault tests, in a project of its own after the default one.
+  like, and task.py: the model and data every multi-process test trains, today the example
+  task) runs the whole suite but the fault tests, in a project of its own after the default one.
 - Every pair of values of the suite options (a pairwise cover, completing the projects above)
   runs the single-process tests, the 2-process training test and every test of the test
   modules that an option changes or removes (the tracker's, the GPT example's, ...). Two
@@ -61,12 +61,13 @@ OPTION_TESTS = [
     if infile.startswith("tests/test_")
     and (dependencies(infile) & SUITE_OPTIONS or infile in sometimes_absent())
 ]
-#: The test modules that are no tests (helpers, fixtures): what they read changes every test.
+#: The test modules that are no tests (helpers, fixtures), and the task that every test trains
+#: (the helpers take its test_settings): what they read changes every test.
 SHARED_TEST_FILES = [
     infile
     for infile in SUITE_FILES
     if infile.startswith("tests/") and not Path(infile).name.startswith("test_")
-]
+] + ["src/{{cookiecutter.package_name}}/task.py"]
 EACH_VALUE = cover(1, frozenset().union(*map(dependencies, SHARED_TEST_FILES)))
 PAIRS = cover(2, SUITE_OPTIONS, start=EACH_VALUE)[len(EACH_VALUE) :]
 

@@ -72,16 +72,19 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
         "tests/__init__.py",
         "tests/conftest.py",
         "tests/helpers.py",
+        "tests/tasks.py",
         "benchmarks/allreduce.py",
         "benchmarks/overhead.py",
     }
     tests = ["amp", "benchmarks", "checkpoint", "config", "data", "ddp_options", "distributed"]
     tests += ["distributed_env", "gpu", "plot"]
     tests += ["gradients", "ranks", "restart", "resume", "resume_checks", "sharding"]
-    tests += ["stop_signal", "throughput", "timeouts", "trainer"]
+    tests += ["stop_signal", "throughput", "timeouts", "trainer", "weights"]
+    tests += ["contract", "ema", "loss_normalisation"]
     files |= {f"tests/test_{name}.py" for name in tests}
     modules = ["checkpoint", "config", "data", "distributed", "logs", "metrics", "profiling"]
     modules += ["plot", "resume", "stopping", "task", "throughput", "train", "trainer", "__init__"]
+    modules += ["contract", "losses", "optimizer", "rng", "weights"]
     files |= {f"src/{package}/{name}.py" for name in modules}
     if combo["use_slurm"]:
         files.add("launch/slurm/train.sbatch")
@@ -92,6 +95,8 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
     if combo["example"] == "gpt":
         files |= {f"src/{package}/gpt.py", "tests/test_gpt.py"}
         files |= {"configs/gpt-small.yaml", "configs/gpt2-124m.yaml"}
+    if combo["example"] == "classifier":
+        files.add("tests/test_classifier.py")
     if combo["ci"] == "github":
         files |= {".github/workflows/ci.yml", ".github/dependabot.yml"}
     if combo["ci"] == "gitlab":

@@ -4,9 +4,11 @@
     torchrun --standalone --nproc-per-node=gpu benchmarks/overhead.py train.mixed_precision=bf16
 
 Both train the model of `Task.build_model()` from the same seed, on the same samples in the
-same order (the project's training loader), with AdamW, the warmup-cosine schedule, clipping,
-micro-batches and `no_sync` accumulation as configured (`--config`, then `section.key=value`
-overrides). The plain loop is about thirty lines: the step and nothing else, so settings it
+same order (the project's training loader, with the task's collate), with AdamW over the task's
+parameter groups, the warmup-cosine schedule, clipping, micro-batches and `no_sync` accumulation
+as configured (`--config`, then `section.key=value` overrides), and the task's loss as it comes:
+a mean, or a sum normalised over the global batch's count. The plain loop is about forty lines:
+the step and nothing else, so settings it
 does not replicate are refused (`train.compile`, `dist.comm_hook`, `dist.broadcast_buffers`).
 The Trainer adds what users get from it: loss tracking, the stop protocol
 (`checkpoint.stop_on_signals`, on by default), and its periodic work. Logging, evaluation and
@@ -52,14 +54,17 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
 from {{ cookiecutter.package_name }}.config import Config, ConfigError, flatten, load_config
+from {{ cookiecutter.package_name }}.contract import adopt
 from {{ cookiecutter.package_name }}.data import build_train_loader
 from {{ cookiecutter.package_name }}.distributed import (
     DistEnv,
     all_ranks_agree,
+    all_reduce_sum,
     detect_env,
     is_distributed,
     process_group,
 )
+from {{ cookiecutter.package_name }}.losses import MicroLoss
 from {{ cookiecutter.package_name }}.metrics import MetricsLogger
 from {{ cookiecutter.package_name }}.rng import seed_all
 from {{ cookiecutter.package_name }}.stopping import StopRequests
@@ -161,8 +166,8 @@ def run_plain(
     micro, accumulation = batch_split(
         train.global_batch_size, train.micro_batch_size, env.world_size
     )
-    task = Task(config.task, seed=seed)
-    torch.manual_seed(seed)
+    task = adopt(Task(config.task, seed=seed))
+    seed_all(seed)
     model = task_model = task.build_model().to(device)
     if env.world_size > 1:
         model = DistributedDataParallel(
@@ -200,14 +205,24 @@ def run_plain(
         if step % steps_per_epoch == 0:
             sampler.set_epoch(step // steps_per_epoch)
             batches = iter(loader)
+        count = None
         for micro_step in range(accumulation):
             batch = move_to_device(next(batches), device)
             sync = sync_every_micro_step or micro_step == accumulation - 1
             with nullcontext() if sync or model is task_model else model.no_sync():
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                    loss = task.training_loss(model, batch)
-                scaler.scale(loss / accumulation).backward()
+                    loss = MicroLoss.of(task.training_loss(model, batch))
+                if loss.count is None:  # a mean: every micro-batch weighs the same
+                    scaler.scale(loss.value / accumulation).backward()
+                else:  # (sum, count): normalised by the global batch's count after backward
+                    count = loss.count + (0 if count is None else count)
+                    scaler.scale(loss.value / (micro * accumulation)).backward()
         scaler.unscale_(optimizer)
+        if count is not None:
+            total = all_reduce_sum(torch.as_tensor(count, dtype=torch.float64, device=device))
+            grads = [param.grad for param in task_model.parameters() if param.grad is not None]
+            factor = train.global_batch_size / total.clamp(min=1)
+            torch._foreach_mul_(grads, factor.to(grads[0].dtype))
         if optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(task_model.parameters(), optim.grad_clip)
         scaler.step(optimizer)

@@ -17,9 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-{%- if cookiecutter.example == "classifier" %}
-from torch.utils.data import Dataset, TensorDataset
-{%- endif %}
+from torch.utils.data import Dataset, Subset
 
 from {{ cookiecutter.package_name }}.config import Config
 from {{ cookiecutter.package_name }}.distributed import (
@@ -32,26 +30,16 @@ from {{ cookiecutter.package_name }}.stopping import StopRequests
 from {{ cookiecutter.package_name }}.task import Task
 from {{ cookiecutter.package_name }}.trainer import Trainer
 
-#: Overrides that make a run take seconds on a laptop CPU.
+#: Overrides that make a run take seconds on a laptop CPU: the shared sections' here, then the
+#: task's own `test_settings` (a small model and data set), which may also change train.*.
 FAST = [
-    "task.num_train_samples=512",
-    "task.num_eval_samples=101",
-{%- if cookiecutter.example == "classifier" %}
-    "task.hidden_dim=32",
-{%- else %}
-    "task.generated_bytes=20000",
-    "task.block_size=16",
-    "task.n_layer=2",
-    "task.n_head=2",
-    "task.n_embd=32",
-    "task.dropout=0.1",
-{%- endif %}
     "train.global_batch_size=32",
     "train.micro_batch_size=8",
     "train.log_every=2",
     "train.eval_every=4",
     "checkpoint.every_steps=4",
     "data.num_workers=0",
+    *getattr(Task, "test_settings", ()),
 ]
 
 
@@ -202,7 +190,7 @@ def make_trainer(
     env = env or DistEnv()
     run_dir = Path(config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    task = task or Task(config.task, config.run.seed)
+    task = task or Task(config.task, seed=config.run.seed)
     metrics = MetricsLogger(run_dir, is_main=env.is_main)
     return Trainer(config, task, env, torch.device("cpu"), run_dir, metrics, stop)
 
@@ -221,19 +209,69 @@ def flat_grads(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([param.grad.detach().flatten() for param in model.parameters()]).clone()
 
 
-class Float64Task(Task):
-    """The example task in float64, so that comparisons between runs can be tight."""
+def float64(task_class: type[Task]) -> type[Task]:
+    """`task_class` in float64 and eval mode, so that comparisons between runs can be tight.
 
-    def build_model(self) -> torch.nn.Module:
-        return super().build_model().double()
-{%- if cookiecutter.example == "classifier" %}
+    Eval mode, kept when the trainer calls `train()`, turns dropout off and makes BatchNorm use
+    its running statistics: runs on different world sizes then compute the same function.
+    Every floating-point tensor of a batch is converted to float64 before the task sees it.
+    """
 
-    def build_datasets(self) -> tuple[Dataset, Dataset]:
-        train, evaluation = super().build_datasets()
-        return _as_float64(train), _as_float64(evaluation)
+    class Float64(task_class):
+        def build_model(self) -> torch.nn.Module:
+            model = super().build_model().double().eval()
+            model.train = lambda mode=True: model  # stays in eval mode
+            return model
+
+        def training_loss(self, model: torch.nn.Module, batch: Any) -> Any:
+            return super().training_loss(model, as_float64(batch))
+
+        def evaluation_sums(self, model: torch.nn.Module, batch: Any) -> Any:
+            return super().evaluation_sums(model, as_float64(batch))
+
+    Float64.__name__ = Float64.__qualname__ = f"Float64{task_class.__name__}"
+    return Float64
 
 
-def _as_float64(dataset: TensorDataset) -> TensorDataset:
-    inputs, labels = dataset.tensors
-    return TensorDataset(inputs.double(), labels)
-{%- endif %}
+def as_float64(batch: Any) -> Any:
+    """`batch` with each floating-point tensor in float64, in tuples, lists and dicts."""
+    if isinstance(batch, torch.Tensor):
+        return batch.double() if batch.is_floating_point() else batch
+    if isinstance(batch, dict):
+        return {key: as_float64(value) for key, value in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(as_float64(value) for value in batch)
+    return batch
+
+
+#: The project's task in float64 and eval mode.
+Float64Task = float64(Task)
+
+
+def with_samples(
+    task_class: type[Task], train: int | None = None, evaluation: int | None = None
+) -> type[Task]:
+    """`task_class` on the first `train` training and `evaluation` evaluation samples only.
+
+    For tests that need a number of steps per epoch or an odd evaluation set, whatever sizes the
+    task's own settings give.
+    """
+
+    class WithSamples(task_class):
+        def build_datasets(self) -> tuple[Dataset, Dataset]:
+            train_set, eval_set = super().build_datasets()
+            return _first(train_set, train, "training"), _first(eval_set, evaluation, "evaluation")
+
+    WithSamples.__name__ = WithSamples.__qualname__ = f"{task_class.__name__}WithSamples"
+    return WithSamples
+
+
+def _first(dataset: Dataset, count: int | None, name: str) -> Dataset:
+    if count is None:
+        return dataset
+    if len(dataset) < count:
+        raise ValueError(
+            f"this test needs {count} {name} samples, but the task's {name} set holds "
+            f"{len(dataset)} with its test_settings: make it larger there"
+        )
+    return Subset(dataset, range(count))

@@ -34,24 +34,35 @@ def test_fp16_clips_the_unscaled_gradients(tmp_path: Path) -> None:
 class InfOnRankOne(Task):
     """Rank 1's loss becomes inf during the second optimizer step."""
 
-    def __init__(self, *args: object, rank: int, poisoned_call: int) -> None:
-        super().__init__(*args)
+    def __init__(self, *args: object, rank: int, poisoned_call: int, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
         self.rank = rank
         self.poisoned_call = poisoned_call
         self.calls = 0
 
-    def training_loss(self, model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    def training_loss(self, model: torch.nn.Module, batch: object) -> object:
         self.calls += 1
         loss = super().training_loss(model, batch)
         if self.rank == 1 and self.calls == self.poisoned_call:
-            return loss * float("inf")
+            return times_inf(loss)
         return loss
+
+
+def times_inf(loss: object) -> object:
+    """The loss times inf, in whichever form the task returns it (a mean, a pair, a dict)."""
+    if isinstance(loss, tuple):
+        return (loss[0] * float("inf"), *loss[1:])
+    if isinstance(loss, dict):
+        return {**loss, "loss": loss["loss"] * float("inf")}
+    return loss * float("inf")
 
 
 def _step_with_inf_on_rank_one(rank: int, world_size: int, run_dir: Path) -> dict:
     config = load_config(None, [*FAST, f"run.dir={run_dir}", "train.mixed_precision=fp16"])
     accumulation = config.train.global_batch_size // (world_size * config.train.micro_batch_size)
-    task = InfOnRankOne(config.task, config.run.seed, rank=rank, poisoned_call=accumulation + 1)
+    task = InfOnRankOne(
+        config.task, seed=config.run.seed, rank=rank, poisoned_call=accumulation + 1
+    )
     trainer = make_trainer(config, env_for(rank, world_size), task)
     trainer.sampler.set_epoch(0)
     batches = iter(trainer.train_loader)

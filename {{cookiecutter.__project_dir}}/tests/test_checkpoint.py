@@ -29,10 +29,13 @@ SINGLE = DistEnv()
 
 
 def test_state_holds_everything_needed_to_resume(fast_config: Config) -> None:
-    """The replicated state: model, optimizer, scheduler, scaler, position, config, versions."""
+    """The replicated state: model, optimizer, scheduler, scaler, position, the task's state, the
+    weights' moving average (None when off), config, versions."""
     trainer = make_trainer(fast_config)
     assert set(trainer.state_dict()) == {
         "model",
+        "task",
+        "ema",
         "optimizer",
         "scheduler",
         "scaler",
@@ -45,7 +48,7 @@ def test_state_holds_everything_needed_to_resume(fast_config: Config) -> None:
         "config",
         "versions",
     }
-    assert set(trainer.rank_state_dict()) == {"rank", "rng", "window_loss", "window_steps"}
+    assert set(trainer.rank_state_dict()) == {"rank", "rng", "window"}
 
 
 def test_model_keys_have_no_wrapper_prefix(fast_config: Config) -> None:

@@ -12,7 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from {{ cookiecutter.package_name }}.config import ConfigError, load_config
 from {{ cookiecutter.package_name }}.task import Task
 
-from .helpers import FAST, env_for, flat_grads, make_trainer, spawn, train_steps
+from .helpers import FAST, Float64Task, env_for, flat_grads, make_trainer, spawn, train_steps
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -20,7 +20,12 @@ STEPS = 6
 
 
 def _training(
-    rank: int, world_size: int, run_dir: Path, *overrides: str, hook: object = None
+    rank: int,
+    world_size: int,
+    run_dir: Path,
+    *overrides: str,
+    hook: object = None,
+    task_class: type[Task] = Task,
 ) -> dict:
     """The all-reduced gradients of the first step, and the weights after STEPS steps.
 
@@ -28,8 +33,9 @@ def _training(
     after a few AdamW steps, rounding in gradients near zero grows to the size of the lr.
     `hook` replaces DDP's all-reduce (to count them).
     """
-    settings = [*FAST, f"run.dir={run_dir}", "optim.warmup_steps=2", *overrides]
-    trainer = make_trainer(load_config(None, settings), env_for(rank, world_size))
+    config = load_config(None, [*FAST, f"run.dir={run_dir}", "optim.warmup_steps=2", *overrides])
+    task = task_class(config.task, seed=config.run.seed)
+    trainer = make_trainer(config, env_for(rank, world_size), task)
     if hook is not None:
         trainer.ddp.register_comm_hook(None, hook)
     grads: list[torch.Tensor] = []
@@ -49,7 +55,7 @@ class UnusedLayerTask(Task):
 
 def _unused_layer(rank: int, world_size: int, run_dir: Path, *overrides: str) -> str:
     config = load_config(None, [*FAST, f"run.dir={run_dir}", *overrides])
-    trainer = make_trainer(config, env_for(rank, world_size), UnusedLayerTask(config.task, 1))
+    trainer = make_trainer(config, env_for(rank, world_size), UnusedLayerTask(config.task, seed=1))
     try:
         train_steps(trainer, 2)
     except RuntimeError as error:
@@ -135,7 +141,6 @@ def _compiled_and_eager(rank: int, world_size: int, run_dir: Path) -> dict:
             f"train.compile={compile_}",
             "train.global_batch_size=32",
             "train.micro_batch_size=8",
-            "task.dropout=0.0",  # compiled code draws its dropout masks from another stream
         ]
         reductions = []
 
@@ -144,8 +149,14 @@ def _compiled_and_eager(rank: int, world_size: int, run_dir: Path) -> dict:
             reductions.append(bucket.index())
             return default_hooks.allreduce_hook(None, bucket)
 
+        # Eval mode (no dropout): compiled code draws its dropout masks from another stream.
         outcome = _training(
-            rank, world_size, run_dir / compile_, *settings, hook=counting_allreduce
+            rank,
+            world_size,
+            run_dir / compile_,
+            *settings,
+            hook=counting_allreduce,
+            task_class=Float64Task,
         )
         results[compile_] = (outcome, len(reductions))
     return results

@@ -41,10 +41,10 @@ def test_two_ranks_train_checkpoint_and_resume(tmp_path: Path) -> None:
 
 
 def test_failing_rank_ends_the_job_with_an_error(tmp_path: Path) -> None:
-    """A bad setting found after start-up makes every rank exit non-zero instead of hanging."""
-    result = run_torchrun(
-        2, [*FAST, f"run.dir={tmp_path / 'run'}", "task.num_train_samples=16"], timeout=120
-    )
+    """A bad setting found after start-up makes every rank exit non-zero instead of hanging:
+    a global batch larger than the training set, which only the built data set tells."""
+    too_large = f"train.global_batch_size={2**20}"
+    result = run_torchrun(2, [*FAST, f"run.dir={tmp_path / 'run'}", too_large], timeout=120)
     assert result.returncode != 0
     assert "smaller than one global batch" in result.stderr
 

@@ -40,7 +40,7 @@ def test_a_step_that_is_not_logged_never_waits_for_the_gpu(tmp_path: Path) -> No
     """The host queues step after step: a host sync per step would leave the GPU idle."""
     overrides = ["train.mixed_precision=bf16", "data.pin_memory=true", "train.log_every=1000"]
     config = load_config(None, [*FAST, f"run.dir={tmp_path}", *overrides])
-    task = Task(config.task, config.run.seed)
+    task = Task(config.task, seed=config.run.seed)
     metrics = MetricsLogger(tmp_path, is_main=True)
     trainer = Trainer(config, task, DistEnv(), torch.device("cuda", 0), tmp_path, metrics)
     trainer.sampler.set_epoch(0)

@@ -28,7 +28,6 @@ def _float64_config(run_dir: Path, micro_batch: int) -> list[str]:
     return [
         *FAST,
         f"run.dir={run_dir}",
-        "task.dropout=0.0",
         "train.mixed_precision=none",
         f"train.global_batch_size={GLOBAL_BATCH}",
         f"train.micro_batch_size={micro_batch}",
@@ -37,7 +36,7 @@ def _float64_config(run_dir: Path, micro_batch: int) -> list[str]:
 
 def _train_float64(rank: int, world_size: int, run_dir: Path, micro_batch: int) -> dict:
     config = load_config(None, _float64_config(run_dir, micro_batch))
-    task = Float64Task(config.task, config.run.seed)
+    task = Float64Task(config.task, seed=config.run.seed)
     return train_steps(make_trainer(config, env_for(rank, world_size), task), STEPS)
 
 
@@ -89,7 +88,7 @@ def _record_one(rank: int, world_size: int, run_dir: Path, k: int) -> dict:
             "train.micro_batch_size=8",
         ],
     )
-    task = Task(config.task, config.run.seed)
+    task = Task(config.task, seed=config.run.seed)
     trainer = make_trainer(config, env_for(rank, world_size), task)
     micro_step = -1
     rounds: set[tuple[int, int]] = set()

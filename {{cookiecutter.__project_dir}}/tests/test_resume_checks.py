@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+import {{ cookiecutter.package_name }}.config as config_module
 from {{ cookiecutter.package_name }}.checkpoint import complete_checkpoints
-from {{ cookiecutter.package_name }}.config import load_config
+from {{ cookiecutter.package_name }}.config import Config, TaskConfig, load_config
+from {{ cookiecutter.package_name }}.contract import TaskBase
 from {{ cookiecutter.package_name }}.metrics import METRICS_FILE, read_metrics
 from {{ cookiecutter.package_name }}.resume import ResumeError
+from {{ cookiecutter.package_name }}.task import Task
 from {{ cookiecutter.package_name }}.train import main
 from {{ cookiecutter.package_name }}.trainer import Trainer, warmup_cosine
 
@@ -25,12 +29,24 @@ def _overrides(run_dir: Path, *extra: str) -> list[str]:
     return [*FAST, f"run.dir={run_dir}", "train.max_steps=12", *extra]
 
 
+class OneGroup(Task):
+    """The project's task with the default optimizer group, which sets no option of its own:
+    every optim.* setting applies to it, whatever groups the task makes."""
+
+    param_groups = TaskBase.param_groups
+
+
+def _trainer(*overrides: str) -> Trainer:
+    config = load_config(None, list(overrides))
+    return make_trainer(config, task=OneGroup(config.task, seed=config.run.seed))
+
+
 def _resume_with(tmp_path: Path, *changed: str) -> Trainer:
     """Save a checkpoint at step 4 with the FAST settings, then resume it with `changed`."""
-    trainer = make_trainer(load_config(None, _overrides(tmp_path)))
+    trainer = _trainer(*_overrides(tmp_path))
     train_steps(trainer, SAVED_AT)
     trainer.save()
-    resumed = make_trainer(load_config(None, _overrides(tmp_path, *changed)))
+    resumed = _trainer(*_overrides(tmp_path, *changed))
     assert resumed.resume()
     return resumed
 
@@ -77,13 +93,24 @@ def test_turning_fp16_on_at_resume_starts_a_fresh_loss_scaler(tmp_path: Path) ->
     assert resumed.scaler.get_scale() == 2.0**16
 
 
-@pytest.mark.parametrize(
-    "change",
-    ["run.seed=99", "task.{{ 'hidden_dim' if cookiecutter.example == 'classifier' else 'n_embd' }}=64", "train.global_batch_size=64"],
-)
+@dataclass
+class TaskConfigWithExtra(TaskConfig):
+    """The task's settings and one more, so that the test needs to know none of the task's."""
+
+    #: A task setting that the task itself does not read.
+    extra: int = 1
+
+
+@dataclass
+class ConfigWithExtra(Config):
+    task: TaskConfigWithExtra = field(default_factory=TaskConfigWithExtra)
+
+
+@pytest.mark.parametrize("change", ["run.seed=99", "task.extra=2", "train.global_batch_size=64"])
 def test_changes_that_would_make_it_another_run_are_refused_by_name(
-    tmp_path: Path, change: str
+    tmp_path: Path, change: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(config_module, "Config", ConfigWithExtra)
     key = change.partition("=")[0]
     with pytest.raises(ResumeError, match=rf"{key} .*another run\.dir"):
         _resume_with(tmp_path, change)

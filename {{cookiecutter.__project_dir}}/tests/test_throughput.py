@@ -7,10 +7,12 @@ import json
 import logging
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from {{ cookiecutter.package_name }} import checkpoint as checkpoint_module
 from {{ cookiecutter.package_name }} import throughput
 from {{ cookiecutter.package_name }}.config import load_config
 from {{ cookiecutter.package_name }}.logs import ProgressBar
@@ -62,7 +64,7 @@ def test_the_meter_leaves_paused_time_out(monkeypatch: pytest.MonkeyPatch) -> No
 def test_figures_use_the_slowest_rank_and_show_the_spread() -> None:
     # Two ranks, 10 steps: rank 1 took twice as long and waited for data most of that time.
     rows = torch.tensor([[1.0, 0.1, 2e9], [2.0, 1.5, 3e9]], dtype=torch.float64)
-    figures = window_figures(rows, 10, "samples", 64, flops_per_step=1e12, peak=1e13)
+    figures = window_figures(rows, 10, "samples", 10 * 64, flops_per_step=1e12, peak=1e13)
     assert figures["train/samples_per_s"] == pytest.approx(10 * 64 / 2.0)
     assert figures["train/samples_per_s_per_device"] == pytest.approx(10 * 64 / 2.0 / 2)
     assert figures["train/step_time_min_s"] == pytest.approx(0.1)
@@ -96,41 +98,71 @@ def test_peak_flops_come_from_the_table_the_override_or_nowhere(
     assert peak_flops(gpu, "bf16", 0) is None
 
 
+FLOPS_PER_SAMPLE = 1e6
+
+
+class KnownFlops(Task):
+    """The project's task with a FLOPs count of its own: MFU is then reported for any task."""
+
+    def flops_per_sample(self, model: torch.nn.Module) -> float:
+        return FLOPS_PER_SAMPLE
+
+
 def test_every_log_interval_records_the_figures(tmp_path: Path) -> None:
     """Also the gradient norm with clipping off, and MFU once a peak is given."""
     overrides = ["optim.grad_clip=0", "train.max_steps=4", "train.peak_tflops=1"]
     config = load_config(None, [*FAST, f"run.dir={tmp_path}", *overrides])
-    trainer = make_trainer(config)
+    trainer = make_trainer(config, task=KnownFlops(config.task, seed=config.run.seed))
     assert trainer.fit() == 0
     records = [r for r in read_metrics(tmp_path) if "train/loss" in r]
     assert [r["step"] for r in records] == [2, 4]
+    unit_rate = f"train/{trainer.task.throughput_unit}_per_s"
+    flops_per_step = FLOPS_PER_SAMPLE * config.train.global_batch_size
     for record in records:
-        unit_rate = f"train/{trainer.unit}_per_s"
         assert TRAIN_KEYS | {unit_rate, f"{unit_rate}_per_device", "train/mfu"} <= set(record)
         assert record["train/grad_norm"] > 0
         assert record[unit_rate] > 0
-        assert 0 < record["train/mfu"] < 1
+        achieved = flops_per_step / record["train/step_time_s"]
+        assert record["train/mfu"] == pytest.approx(achieved / 1e12)  # of a 1 TFLOP/s peak
         assert record["train/peak_memory_gb"] > 0.01  # this process's peak resident memory
 
 
-def test_evaluation_and_checkpoint_time_is_not_counted_as_training(tmp_path: Path) -> None:
-    config = load_config(None, [*FAST, f"run.dir={tmp_path}", "train.max_steps=4"])
-    trainer = make_trainer(config)
-    evaluate, save = trainer.evaluate, trainer.save
+def test_evaluation_and_checkpoint_time_is_not_counted_as_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the meter's fake clock a step takes 0.25 s, and each evaluation batch and each file of
+    a checkpoint 64 s: the steps after the evaluation and checkpoint of step 4 still log 0.25 s."""
+    step_s, pause_s = 0.25, 64.0  # binary fractions: the clock's sums are exact
+    clock = FakeClock()
+    monkeypatch.setattr(throughput, "time", SimpleNamespace(perf_counter=clock))
+    config = load_config(None, [*FAST, f"run.dir={tmp_path}", "train.max_steps=8"])
+    task = Task(config.task, seed=config.run.seed)
+    trainer = make_trainer(config, task=task)
+    paused: set[tuple[str, int]] = set()
+    train_step, evaluation_sums = trainer.train_step, task.evaluation_sums
+    atomic_save = checkpoint_module._atomic_save
 
-    def slow_evaluate() -> dict[str, float]:
-        time.sleep(0.5)
-        return evaluate()
+    def timed_train_step(batches: object) -> object:
+        clock.now += step_s
+        return train_step(batches)
 
-    def slow_save() -> Path:
-        time.sleep(0.5)
-        return save()
+    def slow_evaluation_sums(model: torch.nn.Module, batch: object) -> object:
+        clock.now += pause_s
+        paused.add(("evaluation", trainer.step))
+        return evaluation_sums(model, batch)
 
-    trainer.evaluate, trainer.save = slow_evaluate, slow_save
+    def slow_atomic_save(obj: object, path: Path) -> None:
+        clock.now += pause_s
+        paused.add(("checkpoint", trainer.step))
+        atomic_save(obj, path)
+
+    trainer.train_step, task.evaluation_sums = timed_train_step, slow_evaluation_sums
+    monkeypatch.setattr(checkpoint_module, "_atomic_save", slow_atomic_save)
     assert trainer.fit() == 0
-    step_times = [r["train/step_time_s"] for r in read_metrics(tmp_path) if "train/loss" in r]
-    # Each window of 2 steps follows a 1 s pause at step 4; steps themselves take milliseconds.
-    assert max(step_times) < 0.2, step_times
+    assert {("evaluation", 4), ("checkpoint", 4)} <= paused  # inside the window of steps 5-6
+    records = [r for r in read_metrics(tmp_path) if "train/loss" in r]
+    assert [r["step"] for r in records] == [2, 4, 6, 8]
+    assert [r["train/step_time_s"] for r in records] == pytest.approx([step_s] * 4)
 
 
 class SlowDataOnRankOne(Task):
@@ -158,7 +190,7 @@ class SlowDataset(torch.utils.data.Dataset):
 def _train_with_a_slow_loader(rank: int, world_size: int, run_dir: Path) -> list[dict]:
     overrides = [f"run.dir={run_dir}", "train.max_steps=4", "train.micro_batch_size=4"]
     config = load_config(None, [*FAST, *overrides])
-    task = SlowDataOnRankOne(config.task, config.run.seed)
+    task = SlowDataOnRankOne(config.task, seed=config.run.seed)
     task.rank = rank
     make_trainer(config, env_for(rank, world_size), task).fit()
     return read_metrics(run_dir)

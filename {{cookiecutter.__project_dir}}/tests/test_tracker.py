@@ -116,16 +116,25 @@ def _tracked_steps(run_dir: Path, name: str) -> list[int]:
 {%- endif %}
 
 
-@pytest.mark.parametrize("name", ["train/loss", "eval/loss"])
+def _metric(records: list[dict], kind: str) -> str:
+    """The training loss, or the first of the metrics the task's evaluation reports."""
+    if kind == "train":
+        return "train/loss"
+    return min(key for record in records for key in record if key.startswith("eval/"))
+
+
+@pytest.mark.parametrize("kind", ["train", "eval"])
 {%- if cookiecutter.tracker == "wandb" %}
 def test_a_resumed_run_sends_each_step_once(
-    crashed_and_resumed: Path, name: str, wandb_steps: dict[str, list[int]]
+    crashed_and_resumed: Path, kind: str, wandb_steps: dict[str, list[int]]
 ) -> None:
 {%- else %}
-def test_a_resumed_run_sends_each_step_once(crashed_and_resumed: Path, name: str) -> None:
+def test_a_resumed_run_sends_each_step_once(crashed_and_resumed: Path, kind: str) -> None:
 {%- endif %}
-    in_jsonl = [record["step"] for record in read_metrics(crashed_and_resumed) if name in record]
-    assert in_jsonl == (list(range(2, 11, 2)) if name == "train/loss" else [4, 8, 10])
+    records = read_metrics(crashed_and_resumed)
+    name = _metric(records, kind)
+    in_jsonl = [record["step"] for record in records if name in record]
+    assert in_jsonl == (list(range(2, 11, 2)) if kind == "train" else [4, 8, 10])
 {%- if cookiecutter.tracker == "wandb" %}
     assert wandb_steps[name] == in_jsonl
     assert len(list((crashed_and_resumed / "wandb").glob("offline-run-*"))) == 2

@@ -37,7 +37,7 @@ class Tied(nn.Module):
 
 def build(config: Config) -> nn.Module:
     """The example's model; each call draws new random weights."""
-    return Task(config.task, config.run.seed).build_model()
+    return Task(config.task, seed=config.run.seed).build_model()
 
 
 def assert_same_weights(model: nn.Module, expected: dict[str, torch.Tensor]) -> None:
