@@ -160,6 +160,9 @@ def _spawned(
     rank: int, world_size: int, worker: Callable[..., Any], args: tuple, workdir: str
 ) -> None:
     torch.set_num_threads(1)
+    # Started from the forkserver, this process would start DataLoader workers that way too,
+    # pickling the test's task; fork them, as a training process started by torchrun does.
+    mp.set_start_method("fork", force=True)
     store = dist.FileStore(os.path.join(workdir, "store"), world_size)
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60)

@@ -69,6 +69,8 @@ class TaskBase:
           (real tokens, not padding). The step's gradient is then exactly that of the sum over
           the whole global batch divided by its total count, on any world size and
           accumulation: use it whenever micro-batches hold different numbers of items.
+          (With fp16, the sum's larger gradients may make GradScaler skip a few first steps
+          while its scale backs off.)
         - A dict with "loss" (a mean, or a sum when "count" is given), optionally "count", and
           any other scalar components (they are logged as train/<name>, not trained on).
         """

@@ -1,0 +1,175 @@
+"""A rendered project serves tasks written as users write them, with nothing else changed.
+
+Each task of tests/user_tasks/ replaces the default project's task.py, and its TaskConfig the
+`class TaskConfig` block of config.py: what docs/bring-your-own-model.md tells users to edit.
+The example's own test module goes with the example, as a user replacing it would delete it;
+every other generated test stays as rendered and trains the user's task (its test_settings).
+
+- token_task.py (dict batches padded by a collate, a (sum, count) loss over real tokens,
+  throughput in real tokens, named parameter groups, tied weights, metrics with their own
+  counts, task state in checkpoints) runs the whole generated suite but the fault tests.
+- cnn_task.py (NumPy augmentation with the global generator, BatchNorm), hf_gpt2_task.py (a
+  Hugging Face GPT2LMHeadModel from a tiny GPT2Config) and v1_task.py (the first release's
+  interface, no base class) run the 2-process training test and the resume tests: they train
+  on 2 gloo ranks, checkpoint, and resume bitwise. The GPT-2 run also shows that throughput is
+  counted in real tokens, not padding.
+- resnet_task.py (torchvision's ResNet-18 with torchvision.transforms) runs the same, only where
+  torchvision imports: its PyPI wheel for torch 2.13 is built against CUDA and does not import
+  beside a CPU torch (`operator torchvision::nms does not exist`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from matrix import DEFAULTS
+from test_project_suite import TWO_RANK_NODE, render_from_source, run_project_suite
+
+USER_TASKS = Path(__file__).parent / "user_tasks"
+#: What the cheaper checks run of the generated suite: real 2-rank training with a resume, and
+#: bitwise resume (also on another world size).
+TRAIN_AND_RESUME = [TWO_RANK_NODE, "tests/test_resume.py"]
+#: The `class TaskConfig` block of a rendered config.py, up to the next section's decorator.
+TASK_CONFIG_BLOCK = re.compile(
+    r"^@dataclass\nclass TaskConfig:\n.*?(?=\n\n\n@dataclass\n)", re.S | re.M
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def project_with_task(
+    name: str, task: str, config: str | None, out: Path
+) -> tuple[Path, dict[str, str], str]:
+    """The default project, rendered under a package name of its own, with task.py replaced by
+    `user_tasks/<task>` and the TaskConfig block of config.py by that of `user_tasks/<config>`
+    (left as rendered when None), and the example's own test module deleted.
+
+    Returns the project, the environment that imports it, and its package name."""
+    project, env = render_from_source(DEFAULTS, name, out)
+    (package_dir,) = (project / "src").iterdir()
+    (package_dir / "task.py").write_text((USER_TASKS / task).read_text())
+    if config is not None:
+        text = (USER_TASKS / config).read_text()
+        block = text[text.index("@dataclass\nclass TaskConfig:") :].rstrip("\n")
+        config_py = package_dir / "config.py"
+        rendered = config_py.read_text()
+        assert len(TASK_CONFIG_BLOCK.findall(rendered)) == 1, "config.py changed its layout"
+        config_py.write_text(TASK_CONFIG_BLOCK.sub(lambda _: block, rendered))
+    example_tests = project / "tests" / f"test_{DEFAULTS['example']}.py"
+    assert example_tests.is_file(), "the example's own tests moved: update this test"
+    example_tests.unlink()
+    return project, env, package_dir.name
+
+
+def test_a_token_task_with_dict_batches_padding_and_task_state_passes_the_whole_suite(
+    tmp_path: Path,
+) -> None:
+    project, env, _ = project_with_task(
+        "User Token Task", "token_task.py", "token_config.py", tmp_path
+    )
+    cases = run_project_suite(project, env, "-m", "not faults")
+    assert "test_weights_are_bitwise_equal_to_an_unbroken_run" in cases
+
+
+def test_a_cnn_with_numpy_augmentation_and_batchnorm_trains_and_resumes(tmp_path: Path) -> None:
+    """Random flips drawn with NumPy's global generator, resumed bitwise on the same ranks."""
+    project, env, _ = project_with_task("User Cnn Task", "cnn_task.py", "cnn_config.py", tmp_path)
+    cases = run_project_suite(project, env, *TRAIN_AND_RESUME)
+    assert "test_weights_are_bitwise_equal_to_an_unbroken_run" in cases
+
+
+def test_a_task_of_the_first_release_trains_and_resumes(tmp_path: Path) -> None:
+    """No base class and only the first release's members; the classifier's TaskConfig."""
+    project, env, _ = project_with_task("User V1 Task", "v1_task.py", None, tmp_path)
+    run_project_suite(project, env, *TRAIN_AND_RESUME)
+
+
+def test_a_torchvision_resnet18_with_transforms_trains_and_resumes(tmp_path: Path) -> None:
+    """Only where torchvision imports: its PyPI wheel for this torch is built against CUDA and
+    fails to import beside the CPU torch of requirements-test.txt."""
+    check = [sys.executable, "-c", "import torchvision.models, torchvision.transforms.v2"]
+    imported = subprocess.run(check, capture_output=True, text=True)
+    if imported.returncode != 0:
+        reason = (imported.stderr.strip().splitlines() or ["no output"])[-1]
+        pytest.skip(f"torchvision cannot be imported here: {reason}")
+    project, env, _ = project_with_task(
+        "User Resnet Task", "resnet_task.py", "resnet_config.py", tmp_path
+    )
+    cases = run_project_suite(project, env, *TRAIN_AND_RESUME)
+    assert "test_weights_are_bitwise_equal_to_an_unbroken_run" in cases
+
+
+#: Run in the project: one epoch of 8 steps on 256 sequences (each trained on once), then the
+#: real tokens of the training set against those the logged throughput adds up to.
+THROUGHPUT_CHECK = """
+import json, sys
+from pathlib import Path
+
+from {package}.metrics import read_metrics
+from {package}.task import Task
+from {package}.config import load_config
+from {package}.train import main
+
+run_dir = Path(sys.argv[1])
+overrides = [
+    *Task.test_settings,
+    "task.num_train_samples=256",
+    "train.global_batch_size=32",
+    "train.micro_batch_size=8",
+    "train.epochs=1",
+    "train.log_every=2",
+    "train.eval_every=100",
+    "checkpoint.every_steps=100",
+    f"run.dir={{run_dir}}",
+]
+assert main(overrides) == 0
+config = load_config(None, overrides)
+train, _ = Task(config.task, seed=config.run.seed).build_datasets()
+records = [r for r in read_metrics(run_dir) if "train/loss" in r]
+print(json.dumps({{
+    "real_tokens": sum(len(sequence) - 1 for sequence in train),
+    "samples": len(train),
+    "longest": max(len(sequence) - 1 for sequence in train),
+    "steps": [r["step"] for r in records],
+    "logged_tokens": sum(
+        r["train/tokens_per_s"] * r["train/step_time_s"] * config.train.log_every
+        for r in records
+    ),
+    "log": (run_dir / "train.log").read_text(),
+}}))
+"""
+
+
+def test_a_hugging_face_gpt2_trains_resumes_and_counts_real_tokens(tmp_path: Path) -> None:
+    """GPT2LMHeadModel from a tiny GPT2Config (no download); a single-process epoch then
+    shows that tokens/s counts the real tokens: tokens/s x step time x steps, added up over
+    the log lines, is the number of real tokens in the training set, not the padded count."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as error:  # it is in requirements-test.txt
+        pytest.skip(f"transformers cannot be imported: {error}")
+    project, env, package = project_with_task(
+        "User Hf Gpt2 Task", "hf_gpt2_task.py", "hf_gpt2_config.py", tmp_path
+    )
+    run_project_suite(project, env, *TRAIN_AND_RESUME)
+
+    result = subprocess.run(
+        [sys.executable, "-c", THROUGHPUT_CHECK.format(package=package), str(tmp_path / "run")],
+        cwd=project,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["steps"] == [2, 4, 6, 8]  # one epoch: every sequence once
+    assert " tokens/s" in figures["log"]
+    assert figures["logged_tokens"] == pytest.approx(figures["real_tokens"], rel=1e-6)
+    # Padded to the longest, the same batches would hold many more tokens.
+    assert figures["real_tokens"] < 0.8 * figures["samples"] * figures["longest"]
