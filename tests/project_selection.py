@@ -1,5 +1,6 @@
 """A pytest plugin for the rendered projects' suites in the pairwise cover (test_project_suite.py
-loads it with `-p project_selection`): the fault tests never run, the single-process tests
+loads it with `-p project_selection`): the fault tests and the tests that train tasks of their
+own (`own_tasks`: the same whatever the options) never run, the other single-process tests
 always do, and of the multi-process tests only those under the node ids given with
 `--multi-process-from` (a test, or a whole module)."""
 
@@ -22,7 +23,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     chosen = config.getoption("multi_process_from")
 
     def wanted(item: pytest.Item) -> bool:
-        if item.get_closest_marker("faults"):
+        if item.get_closest_marker("faults") or item.get_closest_marker("own_tasks"):
             return False
         if not item.get_closest_marker("distributed"):
             return True

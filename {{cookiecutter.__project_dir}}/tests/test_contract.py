@@ -20,7 +20,7 @@ from {{ cookiecutter.package_name }}.trainer import Trainer
 from .helpers import FAST, make_trainer, train_steps
 from .tasks import FirstReleaseTask, TokenTask
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.own_tasks, pytest.mark.timeout(120)]
 
 
 def _config(run_dir: Path, *extra: str) -> Config:

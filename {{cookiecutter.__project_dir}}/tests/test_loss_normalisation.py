@@ -19,7 +19,7 @@ from {{ cookiecutter.package_name }}.config import load_config
 from .helpers import FAST, env_for, make_trainer, spawn, train_steps
 from .tasks import TokenTask
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.distributed, pytest.mark.own_tasks, pytest.mark.timeout(300)]
 
 GLOBAL_BATCH = 16
 STEPS = 3
