@@ -10,7 +10,9 @@ CI, license, metadata) that the render tests and the launcher tests check. So:
   each) run beside it from a source tree, so that the two halves can share the workers.
 - Every value of the options that the shared test helpers read (tests/helpers.py and the
   like, and task.py: the model and data every multi-process test trains, today the example
-  task) runs the whole suite but the fault tests, in a project of its own after the default one.
+  task) runs the whole suite but the fault tests, the tests of tasks of their own and the
+  multi-process tests of mechanisms no task changes (TASK_INDEPENDENT), in a project of its own
+  after the default one.
 - Every pair of values of the suite options (a pairwise cover, completing the projects above)
   runs the single-process tests, the 2-process training test and every test of the test
   modules that an option changes or removes (the tracker's, the GPT example's, ...). Two
@@ -48,6 +50,26 @@ from variants import (
     template_files,
 )
 
+#: Multi-process tests of mechanisms that no task changes: how the ranks agree to stop, how a
+#: bad setting ends every rank, how the shipped config's batch splits over 8 ranks, which rank
+#: writes which log file. The default project runs them; projects of other tasks (the other
+#: example, tests/test_user_tasks.py) deselect them.
+TASK_INDEPENDENT = [
+    "tests/test_stop_signal.py",
+    "tests/test_distributed.py::test_eight_ranks_train_the_default_config_unchanged",
+    "tests/test_distributed.py::test_failing_rank_ends_the_job_with_an_error",
+    "tests/test_ranks.py::test_each_log_file_has_one_writer",
+    "tests/test_ranks.py::test_train_log_holds_rank_zero_lines_only",
+    "tests/test_ranks.py::test_a_warning_goes_to_the_rank_s_own_file",
+]
+#: What a project of another task runs: the suite but the fault tests, the tests that train
+#: tasks of their own (own_tasks) and the task-independent mechanisms, which the default
+#: project ran.
+OTHER_TASK_SELECTION = [
+    "-m",
+    "not faults and not own_tasks",
+    *(f"--deselect={node}" for node in TASK_INDEPENDENT),
+]
 TWO_RANK_TEST = "test_two_ranks_train_checkpoint_and_resume"
 TWO_RANK_NODE = f"tests/test_distributed.py::{TWO_RANK_TEST}"
 #: The files that decide what the project's suite does: every Python file (code, tests,
@@ -123,6 +145,14 @@ def test_the_fault_tests_read_no_option() -> None:
     assert not frozenset().union(*map(dependencies, fault_tests))
 
 
+def test_the_task_independent_tests_exist() -> None:
+    """A renamed test would make its --deselect a silent no-op."""
+    for node in TASK_INDEPENDENT:
+        path, _, name = node.partition("::")
+        text = (ROOT / "{{cookiecutter.__project_dir}}" / path).read_text()
+        assert not name or f"def {name}(" in text, node
+
+
 def test_the_tests_of_tasks_of_their_own_read_no_option() -> None:
     """So that the default project alone runs them (tests/tasks.py holds their tasks)."""
     own_tasks = ["tests/test_contract.py", "tests/test_loss_normalisation.py", "tests/tasks.py"]
@@ -157,9 +187,7 @@ def test_project_suite_passes_for_every_value_of_the_options_the_test_helpers_re
     combo: dict, tmp_path: Path
 ) -> None:
     project, env = render_from_source(combo, f"Value {EACH_VALUE.index(combo)}", tmp_path)
-    # The tests that train tasks of their own ran with the default project.
-    selection = ["-m", "not faults and not own_tasks"]
-    assert_two_ranks_ran(run_project_suite(project, env, *selection))
+    assert_two_ranks_ran(run_project_suite(project, env, *OTHER_TASK_SELECTION))
 
 
 @pytest.mark.parametrize("combo", PAIRS, ids=combo_id)

@@ -7,8 +7,10 @@ every other generated test stays as rendered and trains the user's task (its tes
 
 - token_task.py (dict batches padded by a collate, a (sum, count) loss over real tokens,
   throughput in real tokens, named parameter groups, tied weights, metrics with their own
-  counts, task state in checkpoints) runs the whole generated suite but the fault tests and
-  the tests that train tasks of their own (they ran with the default project).
+  counts, task state in checkpoints) runs the generated suite as the other example does: all
+  but the fault tests, the tests of tasks of their own and the multi-process tests of
+  mechanisms no task changes (test_project_suite.TASK_INDEPENDENT), which the default project
+  runs.
 - cnn_task.py (NumPy augmentation with the global generator, BatchNorm, tuple batches) runs the
   resume tests: 2 gloo ranks train, crash and resume bitwise, and resume on 1 and 4 ranks.
 - hf_gpt2_task.py (a Hugging Face GPT2LMHeadModel from a tiny GPT2Config, no download) trains,
@@ -31,15 +33,12 @@ from pathlib import Path
 
 import pytest
 from matrix import DEFAULTS
-from test_project_suite import render_from_source, run_project_suite
+from test_project_suite import OTHER_TASK_SELECTION, render_from_source, run_project_suite
 
 USER_TASKS = Path(__file__).parent / "user_tasks"
 #: What the cheaper checks run of the generated suite: 2 gloo ranks train, crash, resume and end
 #: bitwise where an unbroken run ends, and resume on 1 and 4 ranks at the exact sample.
 RESUMES = ["tests/test_resume.py"]
-#: The tests that train tasks of their own (tests/tasks.py), not the project's: they ran with
-#: the default project already.
-NOT_OWN_TASKS = ["-m", "not faults and not own_tasks"]
 #: The `class TaskConfig` block of a rendered config.py, up to the next section's decorator.
 TASK_CONFIG_BLOCK = re.compile(
     r"^@dataclass\nclass TaskConfig:\n.*?(?=\n\n\n@dataclass\n)", re.S | re.M
@@ -77,7 +76,7 @@ def test_a_token_task_with_dict_batches_padding_and_task_state_passes_the_whole_
     project, env, _ = project_with_task(
         "User Token Task", "token_task.py", "token_config.py", tmp_path
     )
-    cases = run_project_suite(project, env, *NOT_OWN_TASKS)
+    cases = run_project_suite(project, env, *OTHER_TASK_SELECTION)
     assert "test_weights_are_bitwise_equal_to_an_unbroken_run" in cases
 
 
