@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import shutil
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from ddp_project.distributed import detect_env, process_group
 from ddp_project.task import Task
+from side_by_side import load_overhead
 from torch.nn import functional as F
 
 
@@ -35,14 +34,6 @@ class SummedTokens(Task):
         logits = model(inputs).flatten(0, 1)
         loss_sum = F.cross_entropy(logits, targets.flatten(), reduction="sum")
         return loss_sum, torch.tensor(targets.numel(), device=targets.device)
-
-
-def load_overhead(project: Path) -> ModuleType:
-    path = project / "benchmarks" / "overhead.py"
-    spec = importlib.util.spec_from_file_location("overhead", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> int:

@@ -10,7 +10,8 @@ OMP_NUM_THREADS=1) with the default task's MLP at micro-batch 32 in fp32:
    the project's own entry point and for Lightning, alternating, `--launches` times each;
 3. the project's benchmarks/allreduce.py sweep (gloo, 2 ranks);
 4. with `--before REF`: the same overhead benchmark against the Trainer of the template at the
-   git commit REF (its render, with today's benchmarks/overhead.py copied in);
+   git commit REF (its render, with today's benchmarks/overhead.py copied in, which imports
+   the modules of the Task contract: REF must have them, from release 0.5 on);
 5. the `gpt` example's Trainer with its mean token loss against the same loss returned as
    (sum, count) (loss_forms.py), in a render of that example.
 

@@ -122,13 +122,13 @@ class TaskBase:
         """A batch from a list of data set items (pad variable-length items here)."""
         return default_collate(samples)
 
-    def units(self, batch: Any) -> int | torch.Tensor:
-        """Throughput units in one micro-batch: `units_per_sample` per sample by default.
+    def units(self, batch: Any) -> int | torch.Tensor | None:
+        """Throughput units in one micro-batch; None: `units_per_sample` per sample.
 
         Return a tensor (real tokens: `(labels != -100).sum()`) to count what the batch holds;
         it stays on the device until the next log line, so counting costs no wait.
         """
-        return self.units_per_sample * batch_size(batch)
+        return None
 
     def flops_per_sample(self, model: nn.Module) -> float | None:
         """Training FLOPs (forward and backward) of one sample, for MFU; None: no MFU."""
@@ -176,20 +176,3 @@ def adopt(task: object) -> TaskBase:
             f"{', '.join(REQUIRED)} (see contract.py)"
         )
     return task if isinstance(task, TaskBase) else _Adopted(task)
-
-
-def batch_size(batch: Any) -> int:
-    """Samples in a batch: the length of its first tensor (in a tuple, list or dict)."""
-    if isinstance(batch, torch.Tensor) and batch.dim() > 0:
-        return len(batch)
-    items = list(batch.values()) if isinstance(batch, dict) else batch
-    if isinstance(items, (list, tuple)):
-        for item in items:
-            try:
-                return batch_size(item)
-            except TypeError:
-                continue
-    raise TypeError(
-        f"cannot tell how many samples a batch of type {type(batch).__name__} holds: define "
-        "Task.units to count the throughput units of a batch"
-    )

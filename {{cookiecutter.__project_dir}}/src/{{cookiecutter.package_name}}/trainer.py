@@ -205,6 +205,7 @@ class Trainer:
 
         self.meter = StepMeter(device)
         self.unit = self.task.throughput_unit
+        self.units_per_micro_batch = self.micro_batch_size * self.task.units_per_sample
         flops = self.task.flops_per_sample(self.model)
         self.flops_per_step = None if flops is None else train.global_batch_size * flops
         precision = train.mixed_precision
@@ -342,7 +343,8 @@ class Trainer:
         self.window.add("count", 1 if loss.count is None else loss.count)
         for name, value in loss.parts.items():
             self.window.add(f"part/{name}", value)
-        self.window.add("units", self.task.units(batch))
+        units = self.task.units(batch)
+        self.window.add("units", self.units_per_micro_batch if units is None else units)
 
     # --- the loop ---------------------------------------------------------------------------
 
