@@ -142,14 +142,14 @@ def test_completion_marker_is_written_last(
     fast_config: Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """When COMPLETE is written, the state and every rank file are already in place."""
-    write_text = checkpoint_module._atomic_write_text
+    write_text = checkpoint_module.atomic_write_text
     seen: list[set[str]] = []
 
     def checking_write_text(path: Path, text: str) -> None:
         seen.append({p.name for p in path.parent.iterdir()})
         write_text(path, text)
 
-    monkeypatch.setattr(checkpoint_module, "_atomic_write_text", checking_write_text)
+    monkeypatch.setattr(checkpoint_module, "atomic_write_text", checking_write_text)
     make_trainer(fast_config).save()
     assert seen == [{"state.pt", "rank_00000.pt"}]
 

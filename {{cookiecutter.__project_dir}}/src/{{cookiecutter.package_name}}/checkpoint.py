@@ -89,11 +89,11 @@ def save_checkpoint(
         for rank in range(env.world_size):
             files[rank_file(rank)] = _digest(staging / rank_file(rank))
         marker = {"step": step, "world_size": env.world_size, "files": files}
-        _atomic_write_text(staging / COMPLETE_MARKER, json.dumps(marker, indent=2) + "\n")
+        atomic_write_text(staging / COMPLETE_MARKER, json.dumps(marker, indent=2) + "\n")
         if final.exists():
             shutil.rmtree(final)
         os.replace(staging, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         prune_checkpoints(run_dir, keep_last)
     barrier()
     return final
@@ -243,7 +243,8 @@ def _atomic_save(obj: Any, path: Path) -> dict[str, Any]:
     return {"bytes": writer.size, "sha256": writer.digest.hexdigest()}
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to a temporary name, fsync, rename: a reader sees all of it or none."""
     tmp = path.with_name(path.name + ".partial")
     with open(tmp, "w") as handle:
         handle.write(text)
@@ -252,7 +253,8 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make the renames inside `path` durable (a crash could otherwise undo them)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

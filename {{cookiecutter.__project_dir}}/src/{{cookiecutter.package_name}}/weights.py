@@ -34,10 +34,10 @@ from torch.optim.swa_utils import AveragedModel
 from .checkpoint import (
     COMPLETE_MARKER,
     CorruptCheckpointError,
-    _atomic_write_text,
-    _fsync_dir,
+    atomic_write_text,
     checkpoint_root,
     complete_checkpoints,
+    fsync_dir,
     load_checkpoint,
 )
 from .config import ConfigError, load_config
@@ -110,8 +110,8 @@ def export_weights(model: nn.Module, run_dir: Path, config_yaml: str, name: str 
     with open(partial, "rb+") as handle:
         os.fsync(handle.fileno())
     os.replace(partial, target)
-    _atomic_write_text(export_dir / EXPORT_CONFIG, config_yaml)
-    _fsync_dir(export_dir)
+    atomic_write_text(export_dir / EXPORT_CONFIG, config_yaml)
+    fsync_dir(export_dir)
     return target
 
 
