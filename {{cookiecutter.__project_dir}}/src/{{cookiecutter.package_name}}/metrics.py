@@ -97,6 +97,22 @@ class MetricsLogger:
         tmp.write_text("".join(json.dumps(record) + "\n" for record in records))
         os.replace(tmp, self.path)
 
+    def set_aside(self, label: str) -> Path | None:
+        """Keep the records of an earlier run under `metrics.<label>.jsonl` (a new run starts
+        in this run directory); returns where they are, or None when there were none."""
+        if not self.is_main or not self.path.exists():
+            return None
+        kept = self.path.with_name(f"{self.path.stem}.{label}{self.path.suffix}")
+        os.replace(self.path, kept)
+{%- if cookiecutter.tracker != "none" %}
+        if self.tracker_step_path.exists():
+            os.replace(
+                self.tracker_step_path,
+                self.tracker_step_path.with_name(f"{TRACKER_STEP_FILE}.{label}"),
+            )
+{%- endif %}
+        return kept
+
     def close(self) -> None:
 {%- if cookiecutter.tracker != "none" %}
         """End the tracker's run; records no checkpoint covers are dropped, a resume sends them."""

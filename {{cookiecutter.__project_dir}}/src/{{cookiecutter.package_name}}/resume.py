@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import complete_checkpoints
+from .checkpoint import complete_checkpoints, set_aside_checkpoints
 from .config import flatten
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,12 @@ APPLIED = {
     "train.mixed_precision": "the loss scaler starts afresh when fp16 is turned on",
 }
 #: Settings that change where, whether or from what a run starts, not the run itself.
-NOT_COMPARED = {"run.dir", "checkpoint.resume", "init.weights"}
+NOT_COMPARED = {
+    "run.dir",
+    "checkpoint.resume",
+    "checkpoint.start_over_if_unusable",
+    "init.weights",
+}
 
 
 class ResumeError(RuntimeError):
@@ -51,11 +56,12 @@ def require_fresh_run_dir(run_dir: Path) -> None:
     Starting over there would mix two runs' metrics and prune one run's checkpoints by the
     other's names, and a later launch would resume whichever checkpoint is newest.
     """
-    checkpoints = complete_checkpoints(run_dir)
+    checkpoints = complete_checkpoints(run_dir) + set_aside_checkpoints(run_dir)
     if checkpoints:
+        names = ", ".join(path.name for path in checkpoints)
         raise ResumeError(
             f"checkpoint.resume=false, but {run_dir} holds checkpoints of an earlier run "
-            f"(newest: {checkpoints[-1].name}). Use a new run.dir for a new run, or drop "
+            f"({names}). Use a new run.dir for a new run, or drop "
             "checkpoint.resume=false to continue that one."
         )
 

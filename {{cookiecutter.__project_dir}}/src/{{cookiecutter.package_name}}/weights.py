@@ -33,7 +33,9 @@ from torch.optim.swa_utils import AveragedModel
 
 from .checkpoint import (
     COMPLETE_MARKER,
+    CheckpointReadError,
     CorruptCheckpointError,
+    IncompatibleCheckpointError,
     atomic_write_text,
     checkpoint_root,
     complete_checkpoints,
@@ -172,8 +174,10 @@ def _from_checkpoint(path: Path) -> tuple[Mapping[str, Any], str]:
     try:
         # world_size 0: no rank's own state is wanted, so only state.pt is verified and read.
         loaded = load_checkpoint(path, rank=0, world_size=0)
-    except CorruptCheckpointError as error:
-        raise _DamagedError(f"checkpoint {path} is damaged: {error}") from error
+    except (CorruptCheckpointError, IncompatibleCheckpointError) as error:
+        raise _DamagedError(f"checkpoint {path} cannot be used: {error}") from error
+    except CheckpointReadError as error:  # the machine's error, not the file's: say so
+        raise WeightsError(str(error)) from error
     state = loaded.state.get("model")
     if not isinstance(state, Mapping):
         raise _DamagedError(f"checkpoint {path} holds no model weights (no 'model' in state.pt)")
