@@ -85,6 +85,15 @@ def test_int_is_accepted_for_a_float() -> None:
         ("epochs=3", "must look like section.key=value"),
         ("train=3", "must look like section.key=value"),
         ("optim.lr=-1", "optim.lr must be positive"),
+        ("optim.grad_clip=.nan", "optim.grad_clip must be a finite number"),
+        ("optim.weight_decay=.inf", "optim.weight_decay must be a finite number"),
+        ("optim.lr=-.inf", "optim.lr must be a finite number"),
+        ("optim.weight_decay=-0.1", "optim.weight_decay must be >= 0"),
+        ("optim.grad_clip=-1", "optim.grad_clip must be >= 0"),
+        ("optim.betas=[0.9,1.0]", "optim.betas must both be in [0, 1)"),
+        ("optim.warmup_steps=-5", "optim.warmup_steps must be >= 0"),
+        ("best.patience=3", "best.patience needs best.metric"),
+        ("best.metric=loss", "best.metric=loss is not an evaluation metric"),
     ],
 )
 def test_bad_override_is_a_clear_error(override: str, message: str) -> None:
@@ -96,6 +105,19 @@ def test_bad_override_is_a_clear_error(override: str, message: str) -> None:
 def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_a_key_given_twice_in_a_file_is_refused_with_its_line(tmp_path: Path) -> None:
+    """YAML itself would keep the second value silently."""
+    path = tmp_path / "twice.yaml"
+    path.write_text("optim:\n  lr: 0.1\n  weight_decay: 0.0\n  lr: 0.001\n")
+    with pytest.raises(ConfigError, match=r"(?s)the key 'lr' appears twice .*twice.yaml\", line 4"):
+        load_config(path)
+
+
+def test_skipping_non_finite_steps_is_refused_with_fp16_loss_scaling() -> None:
+    with pytest.raises(ConfigError, match="fp16's loss scaler already skips"):
+        load_config(None, ["train.on_nonfinite=skip", "train.mixed_precision=fp16"])
 
 
 def test_file_that_is_not_a_mapping_is_a_clear_error(tmp_path: Path) -> None:

@@ -12,12 +12,15 @@ above it: its one-line help in `--help`. Types understood: bool, int, float, str
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import inspect
+import math
 import re
 import types
 import typing
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Any, Literal, NamedTuple, get_args, get_origin
@@ -177,6 +180,14 @@ class TrainConfig:
     newer): much faster, with a 10-bit mantissa in the products. `progress_bar` shows one on
     rank 0 when stderr is a terminal. `peak_tflops` is one device's peak for MFU; 0 looks the GPU
     up in throughput.PEAK_TFLOPS (MFU is left out where it is unknown, e.g. on CPU).
+
+    `on_nonfinite`: a NaN or infinite loss or gradient norm is read at the next log line and
+    always before a checkpoint (no wait for the device in the step). `stop` ends the run with
+    exit status 3 naming the step and the rank where it first appeared, and writes no
+    checkpoint of it. `skip` drops that step's update on every rank alike (it reads the gradient
+    norm after every step, a wait for the device) and stops as `stop` does once more than
+    `max_skipped_steps` steps were skipped in the run. With fp16, the loss scaler's own skips of
+    steps with overflowing gradients are not counted: only a non-finite loss is.
     """
 
     #: Samples per optimizer step, across all ranks, whatever the world size.
@@ -203,6 +214,10 @@ class TrainConfig:
     progress_bar: bool = True
     #: One device's peak TFLOP/s for MFU; 0 looks the GPU up.
     peak_tflops: float = 0.0
+    #: On a non-finite loss or gradient: stop (no checkpoint of it) or skip the step.
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    #: With on_nonfinite=skip, the run stops once this many steps were skipped.
+    max_skipped_steps: int = 10
 
 
 @dataclass
@@ -211,8 +226,12 @@ class CheckpointConfig:
 
     `resume`: continue the run in `run.dir` from its newest checkpoint. With `false`, a run
     directory that already holds checkpoints is refused rather than mixed with a new run.
-    `stop_on_signals`: SIGTERM (preemption, scancel, torchrun), SIGUSR1 and SIGUSR2 (Slurm's
-    time-limit warning) make every rank finish the same step, save a checkpoint and exit; see
+    `start_over_if_unusable`: when the run directory holds checkpoints (or damaged ones set
+    aside) and none can continue the run, a launch is refused; `true` starts a new run at
+    step 0 there instead, keeping the old run's metrics as `metrics.before-start-over-*.jsonl`.
+    `stop_on_signals`: SIGTERM (preemption, scancel, torchrun), SIGINT (Ctrl-C), SIGHUP, SIGUSR1
+    and SIGUSR2 (Slurm's time-limit warning) make every rank finish the same step, save a
+    checkpoint and exit (a second Ctrl-C exits at once); see
     stopping.py for the exit statuses. The ranks compare notes about every `stop_check_s` seconds
     of training (0: after every step), so a stop comes about 2 x stop_check_s after the signal.
     """
@@ -223,12 +242,36 @@ class CheckpointConfig:
     keep_last: int = 3
     #: Continue from the newest checkpoint in run.dir; false refuses a used run.dir.
     resume: bool = True
-    #: On SIGTERM, SIGUSR1 or SIGUSR2 every rank saves a checkpoint and stops.
+    #: When run.dir holds checkpoints and none can be used: start a new run there, not refuse.
+    start_over_if_unusable: bool = False
+    #: On SIGTERM, SIGINT, SIGHUP, SIGUSR1 or SIGUSR2 every rank saves a checkpoint and stops.
     stop_on_signals: bool = True
     #: Seconds of training between the ranks' checks for a stop; 0: every step.
     stop_check_s: float = 1.0
     #: At the end of training, write the weights as safetensors to <run.dir>/export.
     export: bool = True
+
+
+@dataclass
+class BestConfig:
+    """Keep the best checkpoint by an evaluation metric, and stop early when it stops improving.
+
+    `metric` names a record of the evaluation, as metrics.jsonl writes it (`eval/loss`,
+    `eval/accuracy`, `eval_ema/loss`); `mode` says whether lower or higher is better. When an
+    evaluation improves on the best by more than `min_delta`, a checkpoint of that step is
+    written (if none is due) and kept out of `checkpoint.keep_last` pruning, and
+    `<run.dir>/best.json` names it. `patience` > 0 stops the run, with a checkpoint, after that
+    many evaluations in a row without improvement.
+    """
+
+    #: Evaluation metric that picks the best checkpoint (e.g. eval/loss); empty: off.
+    metric: str = ""
+    #: min: lower is better (a loss); max: higher is better (an accuracy).
+    mode: Literal["min", "max"] = "min"
+    #: An evaluation improves on the best only by more than this.
+    min_delta: float = 0.0
+    #: Stop after this many evaluations without improvement; 0: never.
+    patience: int = 0
 
 
 @dataclass
@@ -347,6 +390,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    best: BestConfig = field(default_factory=BestConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
     init: InitConfig = field(default_factory=InitConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -442,8 +486,36 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"train.peak_tflops must be >= 0 (0 looks the GPU up), got {config.train.peak_tflops}"
         )
-    if config.profile.wait_steps < 0:
-        raise ConfigError(f"profile.wait_steps must be >= 0, got {config.profile.wait_steps}")
+    not_negative = {
+        "profile.wait_steps": config.profile.wait_steps,
+        "optim.warmup_steps": config.optim.warmup_steps,
+        "optim.weight_decay": config.optim.weight_decay,
+        "optim.grad_clip": config.optim.grad_clip,
+        "train.max_skipped_steps": config.train.max_skipped_steps,
+        "best.min_delta": config.best.min_delta,
+        "best.patience": config.best.patience,
+    }
+    for key, value in not_negative.items():
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}")
+    if not all(0 <= beta < 1 for beta in config.optim.betas):
+        raise ConfigError(f"optim.betas must both be in [0, 1), got {list(config.optim.betas)}")
+    if config.train.on_nonfinite == "skip" and config.train.mixed_precision == "fp16":
+        raise ConfigError(
+            "train.on_nonfinite=skip cannot be used with train.mixed_precision=fp16: fp16's loss "
+            "scaler already skips the steps whose gradients overflow. Use on_nonfinite=stop "
+            "(a non-finite loss then stops the run), or bf16."
+        )
+    if config.best.patience and not config.best.metric:
+        raise ConfigError(
+            "best.patience needs best.metric: the evaluation metric whose improvement it waits "
+            "for (e.g. best.metric=eval/loss)"
+        )
+    if config.best.metric and not config.best.metric.startswith(("eval/", "eval_ema/")):
+        raise ConfigError(
+            f"best.metric={config.best.metric} is not an evaluation metric: name one as "
+            "metrics.jsonl records it, e.g. eval/loss, eval/accuracy or eval_ema/loss"
+        )
     if config.data.num_workers < 0:
         raise ConfigError(f"data.num_workers must be >= 0, got {config.data.num_workers}")
     if config.optim.lr <= 0:
@@ -466,7 +538,8 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        loaded = yaml.safe_load(path.read_text())
+        with open(path) as handle:  # a stream, so that errors name the file and the line
+            loaded = yaml.load(handle, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as error:
         raise ConfigError(f"{path} is not valid YAML: {error}") from error
     if loaded is None:
@@ -474,6 +547,28 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path} must hold a mapping of sections, got {type(loaded).__name__}")
     return loaded
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: YAML would keep the last
+    one silently, so a setting written twice in a config file could quietly lose its first
+    value."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # the base loader refuses it, naming it
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"the key {key!r} appears twice in one mapping; keep one of them",
+                    key_node.start_mark,
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def _apply_override(values: dict[str, Any], override: str) -> None:
@@ -557,13 +652,16 @@ def _coerce(value: Any, hint: Any, key: str, current: Any = None) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif hint is float:
+        number: float | None = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads 1e-4 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
+            number = float(value)
+        elif isinstance(value, str):  # YAML reads 1e-4 (no dot) as a string
+            with contextlib.suppress(ValueError):
+                number = float(value)
+        if number is not None:
+            if not math.isfinite(number):
+                raise ConfigError(f"{key} must be a finite number, got {value!r}")
+            return number
     elif hint is str:
         if isinstance(value, str):
             return value

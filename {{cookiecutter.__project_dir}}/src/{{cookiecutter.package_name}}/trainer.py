@@ -26,7 +26,20 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from . import __version__, rng
-from .checkpoint import checkpoint_root, latest_checkpoint, load_newest_intact, save_checkpoint
+from .best import BestCheckpoint
+from .checkpoint import (
+    INCOMPATIBLE_SUFFIX,
+    CheckpointReadError,
+    NoUsableCheckpointError,
+    checkpoint_root,
+    latest_checkpoint,
+    load_newest_intact,
+    new_job_token,
+    room_warning,
+    save_checkpoint,
+    save_timeout_s,
+    set_aside,
+)
 from .config import Config, ConfigError, to_yaml
 from .contract import TaskBase, adopt
 from .data import build_eval_loader, build_train_loader
@@ -39,6 +52,7 @@ from .distributed import (
     is_distributed,
     wrap_ddp,
 )
+from .divergence import DivergenceError, DivergenceGuard
 from .logs import ProgressBar
 from .losses import MicroLoss, WindowSums
 from .metrics import MetricsLogger, read_metrics
@@ -127,6 +141,10 @@ class Trainer:
         checkpoint = config.checkpoint
         self.stop = stop or StopRequests(checkpoint.stop_on_signals, checkpoint.stop_check_s)
         self.step = 0
+        #: This job's name (rank 0's, on every rank): it names the staging of its saves.
+        self.job: str = gather_objects(new_job_token())[0]
+        #: Seconds the previous save of this launch took: it bounds the waits of the next.
+        self.last_save_s: float | None = None
 
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = train.tf32
@@ -202,6 +220,11 @@ class Trainer:
         self.total_units = 0.0
         #: Whether the task's losses are (sum, count) pairs; fixed by its first micro-batch.
         self.loss_is_sum: bool | None = None
+        # fp16's loss scaler skips the steps whose gradients overflow: only its losses count.
+        self.guard = DivergenceGuard(device, watch_gradients=train.mixed_precision != "fp16")
+        self.skipped_steps = 0
+        self.best = BestCheckpoint(config.best)
+        self.saved_step: int | None = None
 
         self.meter = StepMeter(device)
         self.unit = self.task.throughput_unit
@@ -256,9 +279,11 @@ class Trainer:
 
         Returns the gradient norm before clipping when it is computed anyway (clipping on) or
         will be logged after this step, else None. Nothing in a step waits for the device
-        (fp16's inf/nan check aside).
+        (fp16's inf/nan check and train.on_nonfinite=skip aside). Whether the loss and the
+        gradient norm are finite is recorded on the device (divergence.py).
         """
         step_count: torch.Tensor | None = None
+        losses: list[MicroLoss] = []
         try:
             for micro_step in range(self.accumulation_steps):
                 last = micro_step == self.accumulation_steps - 1
@@ -268,6 +293,7 @@ class Trainer:
                 with self._sync_context(last_micro_step=last):
                     with self.autocast():
                         loss = self._micro_loss(self.task.training_loss(self.ddp_model, batch))
+                    self.guard.observe_loss(loss.value)
                     if loss.count is None:
                         scaled = loss.value / self.accumulation_steps
                     else:
@@ -276,7 +302,9 @@ class Trainer:
                         scaled = loss.value / (self.micro_batch_size * self.accumulation_steps)
                     pending = self._start_count_reduce(step_count) if last else None
                     self.scaler.scale(scaled).backward()
-                self._add_to_window(loss, batch)
+                losses.append(loss)
+                units = self.task.units(batch)
+                self.window.add("units", self.units_per_micro_batch if units is None else units)
         except RuntimeError as error:
             if "find_unused_parameters" in str(error):
                 raise RuntimeError(UNUSED_PARAMETERS_HINT) from error
@@ -288,21 +316,46 @@ class Trainer:
                 pending.wait()
             self._rescale_gradients(self.config.train.global_batch_size / step_count.clamp(min=1))
         grad_clip = self.config.optim.grad_clip
+        skipping = self.config.train.on_nonfinite == "skip"
         grad_norm = None
         if grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
-        elif self._due(self.config.train.log_every, self.step + 1):
+        elif skipping or self._due(self.config.train.log_every, self.step + 1):
             grads = [param.grad for param in self.model.parameters() if param.grad is not None]
             grad_norm = torch.nn.utils.get_total_norm(grads)
-        # With fp16, a step whose gradients hold inf/nan is skipped on every rank alike: the
-        # gradients were all-reduced, so every rank sees the same non-finite values.
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        # The gradients were all-reduced, so every rank sees the same norm and skips alike.
+        skip = skipping and grad_norm is not None and not bool(torch.isfinite(grad_norm))
+        if skip:
+            self._skip_step(grad_norm)
+        else:
+            # With fp16, a step whose gradients hold inf/nan is skipped on every rank alike.
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            if self.ema is not None:
+                self.ema.update_parameters(self.model)
+            for loss in losses:
+                self._add_to_window(loss)
+        self.guard.end_step(self.step + 1, grad_norm, skipped=skip)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        if self.ema is not None:
-            self.ema.update_parameters(self.model)
         return grad_norm
+
+    def _skip_step(self, grad_norm: torch.Tensor) -> None:
+        """Leave the weights, the optimizer's moments and the moving average as they are
+        (train.on_nonfinite=skip); stop once more than train.max_skipped_steps were skipped."""
+        self.skipped_steps += 1
+        limit = self.config.train.max_skipped_steps
+        message = (
+            f"step {self.step + 1}: the gradient norm is {grad_norm.item()}; the step is "
+            f"skipped on every rank ({self.skipped_steps} skipped, at most {limit})"
+        )
+        if self.skipped_steps > limit:
+            raise DivergenceError(
+                f"{message}: too many. The newest checkpoint holds only finite values. Lower "
+                "optim.lr, set optim.grad_clip, or check the data around that step."
+            )
+        if self.env.is_main:
+            log.warning("%s", message)
 
     def _micro_loss(self, result: Any) -> MicroLoss:
         """The task's loss, which must keep one form (mean, or sum and count) for the run."""
@@ -337,14 +390,13 @@ class Trainer:
             same = [grad for grad in grads if grad.dtype == dtype]
             torch._foreach_mul_(same, factor.to(dtype))
 
-    def _add_to_window(self, loss: MicroLoss, batch: Any) -> None:
-        """What the next log line reports: loss and components summed with their counts."""
+    def _add_to_window(self, loss: MicroLoss) -> None:
+        """What the next log line reports: loss and components summed with their counts (a
+        skipped step's are left out)."""
         self.window.add("loss", loss.value)
         self.window.add("count", 1 if loss.count is None else loss.count)
         for name, value in loss.parts.items():
             self.window.add(f"part/{name}", value)
-        units = self.task.units(batch)
-        self.window.add("units", self.units_per_micro_batch if units is None else units)
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -362,6 +414,15 @@ class Trainer:
                     "run already complete at step %d of %d; nothing to do",
                     self.step,
                     self.total_steps,
+                )
+                return 0
+            if self.best.exhausted:
+                log.info(
+                    "run stopped early at step %d (%s, no improvement in %d evaluations); "
+                    "nothing to do: raise best.patience to train on",
+                    self.step,
+                    self.best.describe(),
+                    self.best.evaluations_since,
                 )
                 return 0
             self._log_start()
@@ -395,9 +456,10 @@ class Trainer:
                 profiler.step()
                 progress.update(self.step)
                 self._periodic(epoch, grad_norm)
+                if self.best.exhausted:
+                    return self._stop_early()
                 if self.stop.agreed_after_step():
-                    if not self._due(self.config.checkpoint.every_steps):  # else just saved
-                        self.save()
+                    self._save_once()
                     return self._stopped()
         self.stop.close()
         log.info("training complete at step %d", self.step)
@@ -440,14 +502,53 @@ class Trainer:
             check_replicas(self.model, self.step)
         if self._due(config.train.log_every):
             self._log_train(epoch, grad_norm)
+        new_best = False
         if self._due(config.train.eval_every):
             record = {f"eval/{k}": v for k, v in self.evaluate().items()}
             if self.ema is not None:
                 averaged = self.evaluate(self.ema.module, "eval (EMA)")
                 record.update({f"eval_ema/{k}": v for k, v in averaged.items()})
             self.metrics.log(self.step, record)
-        if self._due(config.checkpoint.every_steps):
-            self.save()
+            new_best = self.best.update(self.step, record)
+        if new_best or self._due(config.checkpoint.every_steps):
+            self._save_once()
+        if new_best and self.env.is_main:
+            self.best.write(self.run_dir)
+            log.info(
+                "new %s: checkpoint %s is kept", self.best.describe(), self.best.checkpoint_name
+            )
+
+    def _save_once(self) -> None:
+        """Save this step, unless that is done (a stop or a new best at a scheduled save), once
+        every rank's record shows only finite values (divergence.py)."""
+        if self.saved_step == self.step:
+            return
+        models = [self.model] if self.ema is None else [self.model, self.ema.module]
+        self.guard.check_weights(self.step, models)
+        self._raise_if_diverged(gather_rows(self.guard.record()).cpu())
+        self.save()
+        self.saved_step = self.step
+
+    def _raise_if_diverged(self, guard_rows: torch.Tensor) -> None:
+        newest = latest_checkpoint(self.run_dir)
+        self.guard.raise_if_diverged(guard_rows, newest.name if newest else "none yet")
+
+    def _stop_early(self) -> int:
+        """best.patience evaluations without improvement: every rank stops here, with a
+        checkpoint, as a finished run."""
+        self._save_once()
+        self.stop.close()
+        log.info(
+            "stopped early at step %d of %d: %s has not improved for %d evaluations (%s)",
+            self.step,
+            self.total_steps,
+            self.config.best.metric,
+            self.best.evaluations_since,
+            self.best.describe(),
+        )
+        if self.config.checkpoint.export:
+            self.export()
+        return 0
 
     def _due(self, every: int, step: int | None = None) -> bool:
         """Whether something done every `every` steps is due after `step` (default: this one)."""
@@ -461,12 +562,15 @@ class Trainer:
         # losses, counts and units, and each rank's timings (the spread shows stragglers).
         names = self.window.names()
         sums = self.window.totals(names)
-        local = [window.train_s, window.data_wait_s, float(window.peak_memory)]
-        rows = gather_rows(torch.cat([sums, sums.new_tensor(local)])).cpu()
+        local = sums.new_tensor([window.train_s, window.data_wait_s, float(window.peak_memory)])
+        # The divergence guard's record rides along: no collective of its own.
+        rows = gather_rows(torch.cat([sums, local, self.guard.record()])).cpu()
+        timings = rows[:, len(names) : len(names) + len(local)]
+        guard_rows = rows[:, len(names) + len(local) :]
         totals = dict(zip(names, rows[:, : len(names)].sum(dim=0).tolist(), strict=True))
         self.total_units += totals["units"]
         figures = window_figures(
-            rows[:, len(names) :],
+            timings,
             window.steps,
             self.unit,
             totals["units"],
@@ -489,6 +593,7 @@ class Trainer:
         log.info("%s | %s", line, describe(figures, self.unit))
         self.metrics.log(self.step, {**values, **figures, "epoch": epoch})
         self.window.reset()
+        self._raise_if_diverged(guard_rows)
         self.meter.resume()
 
     def _log_summary(self, first_step: int, wall_s: float) -> None:
@@ -585,6 +690,8 @@ class Trainer:
             },
             "task": self.task.state_dict(),
             "ema": None if self.ema is None else self.ema.state_dict(),
+            "best": self.best.state_dict(),
+            "skipped_steps": self.skipped_steps,
             "world_size": self.env.world_size,
             "global_batch_size": self.config.train.global_batch_size,
             "config": self.config.to_dict(),
@@ -609,8 +716,15 @@ class Trainer:
         }
 
     def save(self) -> Path:
-        """Write a checkpoint of this step (a collective); its time is left out of throughput."""
+        """Write a checkpoint of this step (a collective); its time is left out of throughput.
+
+        The ranks wait for each other around the save for dist.barrier_timeout_s the first time
+        in a launch, then for a bound from the previous save's write time (checkpoint.py), so
+        a rank hung in a save ends the job soon, named.
+        """
         self.meter.pause()
+        started = time.perf_counter()
+        best = self.best.checkpoint_name
         path = save_checkpoint(
             self.run_dir,
             self.step,
@@ -618,9 +732,13 @@ class Trainer:
             self.rank_state_dict(),
             self.env,
             keep_last=self.config.checkpoint.keep_last,
+            job=self.job,
+            timeout_s=save_timeout_s(self.last_save_s, self.config.dist.barrier_timeout_s),
+            keep=[best] if best else [],
         )
+        self.last_save_s = time.perf_counter() - started
         self.metrics.flush()  # the records up to this step may now reach the tracker
-        log.info("saved checkpoint %s", path)
+        log.info("saved checkpoint %s, written in %.2f s", path, self.last_save_s)
         self.meter.resume()
         return path
 
@@ -630,9 +748,24 @@ class Trainer:
         A collective. Settings changed since the checkpoint are refused or applied (resume.py),
         each optimizer group follows the current settings and its own options again
         (optimizer.py); on another number of ranks, the per-rank random streams are derived
-        afresh.
+        afresh. When the run directory holds checkpoints and none can be used, or one cannot be
+        read for a reason that is not damage (memory, permissions, I/O), raises ResumeError;
+        with checkpoint.start_over_if_unusable, a new run starts at step 0 instead.
         """
-        loaded = load_newest_intact(self.run_dir, self.env)
+        try:
+            loaded = load_newest_intact(self.run_dir, self.env)
+        except CheckpointReadError as error:
+            raise ResumeError(str(error)) from error
+        except NoUsableCheckpointError as error:
+            if not self.config.checkpoint.start_over_if_unusable:
+                raise ResumeError(
+                    f"{error} The run's metrics are untouched. Launch again once the cause is "
+                    "fixed, start a new run with another run.dir, or set "
+                    "checkpoint.start_over_if_unusable=true to start a new run in this one "
+                    "(the old metrics are kept aside)."
+                ) from error
+            self._start_over(error.incompatible)
+            return False
         if loaded is None:
             return False
         state, announce = loaded.state, self.env.is_main
@@ -656,6 +789,8 @@ class Trainer:
             self.optimizer, self.scheduler, self.own_group_options, self.config.optim, announce
         )
         self._resume_ema(state.get("ema"), announce)
+        self.best.load_state_dict(state.get("best"), announce)
+        self.skipped_steps = state.get("skipped_steps", 0)
         if "task" in state:  # checkpoints of contract version 1 hold no task state
             self.task.load_state_dict(state["task"])
         self.step = state["step"]
@@ -665,11 +800,35 @@ class Trainer:
         else:
             announce_world_size_change(loaded.world_size, self.env.world_size, announce)
             self._seed_rank_streams()
+        if announce:
+            for path in loaded.skipped:  # out of reach of this run's saves and pruning
+                log.warning(
+                    "moved %s, of another format, to %s",
+                    path.name,
+                    set_aside(path, INCOMPATIBLE_SUFFIX).name,
+                )
+            warning = room_warning(self.run_dir, self.config.checkpoint.keep_last)
+            if warning:
+                log.warning("%s", warning)
         self.metrics.truncate_after(self.step)
         if self.config.init.weights and announce:
             log.info("init.weights is not used: the run continues from its own checkpoint")
         log.info("resumed from %s at step %d", loaded.path, self.step)
         return True
+
+    def _start_over(self, incompatible: list[Path]) -> None:
+        """A new run at step 0 where no checkpoint can be used (checkpoint.start_over_if_unusable):
+        the old run's metrics and checkpoints of another format are kept aside, not lost."""
+        if not self.env.is_main:
+            return
+        for path in incompatible:
+            set_aside(path, INCOMPATIBLE_SUFFIX)
+        kept = self.metrics.set_aside(f"before-start-over-{time.strftime('%Y%m%dT%H%M%S')}")
+        log.warning(
+            "no checkpoint can be used; starting a new run at step 0 "
+            "(checkpoint.start_over_if_unusable=true)%s",
+            f"; the old run's metrics are in {kept.name}" if kept else "",
+        )
 
     def start_fresh(self) -> None:
         """Begin at step 0: forget records of a run that died before its first checkpoint, and

@@ -1,0 +1,109 @@
+"""Non-finite losses, gradients and weights: found without waiting for the device, never saved.
+
+A NaN or an inf in one micro-batch's loss on one rank reaches every rank's gradients through
+DDP's all-reduce, then every rank's weights. Left alone, the run trains on to its end, writes
+checkpoints that hold only non-finite tensors and prunes the good ones, and a relaunch resumes
+the broken weights.
+
+Each step records, on the device, the first step whose loss (on this rank) or gradient norm (the
+same on every rank: it is taken after the all-reduce) was not finite. The trainer reads that
+record where it waits for the device anyway: in the gather of the log line, and before every
+checkpoint, where the weights themselves are checked too. Every rank reads the same gathered
+record, so all of them stop at the same step, and the newest checkpoint is always one whose
+every value is finite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+#: The exit status of a run that stopped on non-finite values: not resumable as it is.
+EXIT_DIVERGED = 3
+
+
+class DivergenceError(RuntimeError):
+    """The training produced non-finite values; no checkpoint holds them."""
+
+
+class DivergenceGuard:
+    """Records the first non-finite loss and gradient norm of this rank, on its device."""
+
+    #: Entries of `record()`, in order.
+    FIELDS = ("loss", "grad_norm", "weights")
+
+    def __init__(self, device: torch.device, watch_gradients: bool = True) -> None:
+        # fp16's loss scaler expects gradients that overflow and skips those steps itself.
+        self.watch_gradients = watch_gradients
+        self._loss_bad = torch.zeros((), dtype=torch.bool, device=device)
+        # The first step seen non-finite, per field; 0: none so far.
+        self._first = torch.zeros(len(self.FIELDS), dtype=torch.float64, device=device)
+
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """Note whether a micro-batch's loss is finite (a device op: no wait)."""
+        self._loss_bad |= ~torch.isfinite(loss.detach()).all()
+
+    def end_step(self, step: int, grad_norm: torch.Tensor | None, skipped: bool = False) -> None:
+        """Record `step` where its loss (or gradient norm, when computed) is first non-finite;
+        a step skipped for its non-finite gradients (train.on_nonfinite=skip) is not recorded."""
+        if not skipped:
+            no = torch.zeros_like(self._loss_bad)
+            grad_bad = no
+            if grad_norm is not None and self.watch_gradients:
+                grad_bad = ~torch.isfinite(grad_norm.detach())
+            self._mark(torch.stack([self._loss_bad, grad_bad, no]), step)
+        self._loss_bad.zero_()
+
+    def check_weights(self, step: int, modules: Iterable[torch.nn.Module]) -> None:
+        """Record `step` if any parameter or buffer of `modules` is not finite (before a save:
+        finite losses and gradients can still step the weights out of range)."""
+        tensors = [
+            tensor
+            for module in modules
+            for tensor in (*module.parameters(), *module.buffers())
+            if tensor.is_floating_point()
+        ]
+        if not tensors:
+            return
+        finite = torch.stack([tensor.detach().isfinite().all() for tensor in tensors]).all()
+        flags = torch.zeros(len(self.FIELDS), dtype=torch.bool, device=finite.device)
+        flags[2] = ~finite
+        self._mark(flags, step)
+
+    def _mark(self, bad: torch.Tensor, step: int) -> None:
+        self._first.copy_(torch.where(bad & (self._first == 0), float(step), self._first))
+
+    def record(self) -> torch.Tensor:
+        """This rank's first non-finite steps (0: none), for the trainer's gather."""
+        return self._first
+
+    @staticmethod
+    def raise_if_diverged(rows: torch.Tensor, saved: str) -> None:
+        """Raise DivergenceError, on every rank alike, if any rank's gathered record (one row
+        per rank, `record()`'s fields) shows a non-finite value; `saved` names the newest
+        checkpoint, which holds none of them."""
+        seen = rows[rows > 0]
+        if seen.numel() == 0:
+            return
+        step = int(seen.min())
+        loss_ranks = [rank for rank, row in enumerate(rows.tolist()) if row[0] == step]
+        if loss_ranks:
+            what = (
+                f"the loss was not finite at step {step} on rank(s) "
+                f"{', '.join(map(str, loss_ranks))} (first seen there; the all-reduce of the "
+                "gradients spreads it to every rank)"
+            )
+        elif bool((rows[:, 1] == step).any()):
+            what = (
+                f"the gradient norm was not finite at step {step} (after the all-reduce, on "
+                "every rank), while every loss was finite"
+            )
+        else:
+            what = f"the weights held non-finite values at step {step}"
+        raise DivergenceError(
+            f"training diverged: {what}. No checkpoint holds these values; the newest is "
+            f"{saved}. A relaunch resumes from there and meets the same values again unless "
+            "something changes: a lower optim.lr, optim.grad_clip, the data at that step, or "
+            "train.on_nonfinite=skip to skip such steps."
+        )
