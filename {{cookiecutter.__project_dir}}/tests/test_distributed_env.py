@@ -1,20 +1,31 @@
-"""Launcher detection: torchrun, Slurm, or a plain single process."""
+"""Launcher detection: torchrun, an MPI launcher, Slurm, or a plain single process."""
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
+from {{ cookiecutter.package_name }}.checkpoint import COMPLETE_MARKER, latest_checkpoint
 from {{ cookiecutter.package_name }}.config import DistConfig
 from {{ cookiecutter.package_name }}.distributed import (
     DistEnv,
     DistributedError,
     detect_env,
+    process_group,
     select_backend,
     select_device,
 )
+from {{ cookiecutter.package_name }}.metrics import read_metrics
+
+from .helpers import FAST
 
 
 def test_torchrun_variables_win() -> None:
@@ -40,6 +51,97 @@ def test_single_slurm_task_is_a_single_process() -> None:
 
 def test_no_launcher_means_single_process() -> None:
     assert detect_env({}) == DistEnv(rank=0, local_rank=0, world_size=1, launcher="single")
+
+
+def test_open_mpi_variables_are_read() -> None:
+    environ = {
+        "OMPI_COMM_WORLD_RANK": "3",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        "OMPI_COMM_WORLD_SIZE": "4",
+    }
+    assert detect_env(environ) == DistEnv(rank=3, local_rank=1, world_size=4, launcher="mpi")
+
+
+def test_mpich_and_intel_mpi_variables_are_read() -> None:
+    environ = {"PMI_RANK": "5", "MPI_LOCALRANKID": "2", "PMI_SIZE": "8"}
+    assert detect_env(environ) == DistEnv(rank=5, local_rank=2, world_size=8, launcher="mpi")
+
+
+def test_mpirun_inside_a_slurm_allocation_is_read_as_mpi_not_as_its_slurm_task() -> None:
+    """mpirun starts its processes from one Slurm task per node: they inherit its SLURM_*."""
+    environ = {
+        "OMPI_COMM_WORLD_RANK": "3",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "0",
+        "SLURM_NTASKS": "2",
+    }
+    assert detect_env(environ) == DistEnv(rank=3, local_rank=1, world_size=4, launcher="mpi")
+
+
+def test_srun_with_pmi_takes_the_local_rank_from_slurm() -> None:
+    environ = {"PMI_RANK": "5", "PMI_SIZE": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1"}
+    assert detect_env(environ) == DistEnv(rank=5, local_rank=1, world_size=8, launcher="mpi")
+
+
+def test_an_mpi_process_without_a_local_rank_is_a_clear_error() -> None:
+    with pytest.raises(DistributedError, match="PMI_RANK is set, but no local rank"):
+        detect_env({"PMI_RANK": "1", "PMI_SIZE": "2"})
+
+
+def test_a_pmix_process_of_unknown_world_size_is_refused_not_trained_alone() -> None:
+    with pytest.raises(DistributedError, match="no variable gives the number of processes"):
+        detect_env({"PMIX_RANK": "1"})
+
+
+def test_mpi_without_a_rendezvous_address_says_how_to_pass_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    env = DistEnv(rank=0, local_rank=0, world_size=2, launcher="mpi")
+    with (
+        pytest.raises(DistributedError, match="mpirun -x MASTER_ADDR=") as error,
+        process_group(env, DistConfig(device="cpu")),
+    ):
+        pass
+    assert "MASTER_ADDR and MASTER_PORT not set" in str(error.value)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.distributed
+@pytest.mark.faults
+@pytest.mark.timeout(120)
+def test_two_processes_started_as_mpirun_starts_them_train_as_one_job(tmp_path: Path) -> None:
+    """Each process sees only Open MPI's variables and the rendezvous address, as under
+    `mpirun -np 2 -x MASTER_ADDR -x MASTER_PORT python -m ...`: one job of two ranks, not
+    two jobs of one rank in one run directory."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "{{ cookiecutter.package_name }}.train"]
+    command += [*FAST, f"run.dir={run_dir}", "train.max_steps=4"]
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "PMI_RANK")
+    base = {name: value for name, value in os.environ.items() if name not in launcher}
+    base |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+    logs = [tmp_path / f"rank_{rank}.err" for rank in range(2)]
+    processes = []
+    for rank, log in enumerate(logs):
+        ranks = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": str(rank)}
+        ranks["OMPI_COMM_WORLD_LOCAL_RANK"] = str(rank)
+        with open(log, "w") as stderr:
+            processes.append(subprocess.Popen(command, env=base | ranks, stderr=stderr))
+    statuses = [process.wait(timeout=100) for process in processes]
+    assert statuses == [0, 0], logs[0].read_text()[-3000:] + logs[1].read_text()[-3000:]
+    newest = latest_checkpoint(run_dir)
+    assert newest is not None and newest.name == "step_00000004"
+    assert json.loads((newest / COMPLETE_MARKER).read_text())["world_size"] == 2
+    steps = [record["step"] for record in read_metrics(run_dir) if "train/loss" in record]
+    assert steps and steps == sorted(set(steps))
 
 
 def test_cpu_device_uses_gloo() -> None:

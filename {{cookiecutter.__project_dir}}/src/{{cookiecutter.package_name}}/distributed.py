@@ -1,8 +1,9 @@
 """Process-group lifecycle: who am I, which device, how to start, how to stop.
 
 One code path serves every launcher. torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; a Slurm step with
-one task per GPU sets SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS; a plain `python -m` run has neither
-and trains as a single process without a process group.
+one task per GPU sets SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS; mpirun and mpiexec set their own
+(OMPI_COMM_WORLD_*, PMI_*); a plain `python -m` run has none and trains as a single process
+without a process group.
 """
 
 from __future__ import annotations
@@ -56,8 +57,32 @@ class DistEnv:
         return self.rank == 0
 
 
+#: (rank, world size) as MPI launchers (mpirun, mpiexec) set them: Open MPI; MPICH, Intel MPI
+#: and MVAPICH under Hydra (PMI); MVAPICH's mpirun_rsh.
+_MPI_RANK_AND_SIZE = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("PMI_RANK", "PMI_SIZE"),
+    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"),
+)
+#: A process's rank on its host, as they (or Cray's PMI) set it; LOCAL_RANK when exported by hand.
+_MPI_LOCAL_RANK = (
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "MPI_LOCALRANKID",
+    "MV2_COMM_WORLD_LOCAL_RANK",
+    "PMI_LOCAL_RANK",
+    "LOCAL_RANK",
+)
+
+
 def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
-    """Read rank and world size from torchrun, then Slurm, else assume a single process."""
+    """Read rank and world size from torchrun, then an MPI launcher, then Slurm, else assume a
+    single process.
+
+    MPI before Slurm: mpirun inside a Slurm allocation starts its processes from one Slurm task
+    per node, and all processes of a node inherit that task's SLURM_PROCID. A process of an
+    MPI launcher whose world size is unknown is refused: alone, it would train as a job of one
+    rank in the same run directory as the others.
+    """
     if "RANK" in environ and "WORLD_SIZE" in environ:
         return DistEnv(
             rank=int(environ["RANK"]),
@@ -65,6 +90,9 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
             world_size=int(environ["WORLD_SIZE"]),
             launcher="torchrun",
         )
+    mpi = _mpi_env(environ)
+    if mpi is not None:
+        return mpi
     if "SLURM_PROCID" in environ and int(environ.get("SLURM_NTASKS", "1")) > 1:
         return DistEnv(
             rank=int(environ["SLURM_PROCID"]),
@@ -72,7 +100,36 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
             world_size=int(environ["SLURM_NTASKS"]),
             launcher="slurm",
         )
+    if "PMIX_RANK" in environ and "SLURM_NTASKS" not in environ:
+        raise DistributedError(
+            "PMIX_RANK is set, but no variable gives the number of processes "
+            "(OMPI_COMM_WORLD_SIZE, PMI_SIZE, SLURM_NTASKS): this process would train alone "
+            "beside the others in one run directory. Launch with Open MPI's mpirun, srun or "
+            "torchrun, or export RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT."
+        )
     return DistEnv()
+
+
+def _mpi_env(environ: Mapping[str, str]) -> DistEnv | None:
+    """This process's place in an MPI launch; None when no MPI launcher started it."""
+    for rank_name, size_name in _MPI_RANK_AND_SIZE:
+        if rank_name in environ and size_name in environ:
+            break
+    else:
+        return None
+    rank, world_size = int(environ[rank_name]), int(environ[size_name])
+    if world_size == 1:
+        return DistEnv()
+    local_names = list(_MPI_LOCAL_RANK)
+    if environ.get("SLURM_PROCID") == environ[rank_name]:
+        local_names.append("SLURM_LOCALID")  # srun --mpi=... started this very process
+    local_rank = next((environ[name] for name in local_names if name in environ), None)
+    if local_rank is None:
+        raise DistributedError(
+            f"{rank_name} is set, but no local rank ({', '.join(_MPI_LOCAL_RANK)}): export "
+            "LOCAL_RANK, this process's rank on its host, to every process, or use torchrun."
+        )
+    return DistEnv(rank=rank, local_rank=int(local_rank), world_size=world_size, launcher="mpi")
 
 
 def select_device(env: DistEnv, config: DistConfig) -> torch.device:
@@ -128,8 +185,8 @@ def process_group(env: DistEnv, config: DistConfig) -> Iterator[torch.device]:
     """
     device = select_device(env, config)
     if env.world_size > 1:
-        if env.launcher == "slurm":
-            _require_rendezvous_address()
+        if env.launcher in _RENDEZVOUS_HINTS:
+            _require_rendezvous_address(env.launcher)
         timeout = timedelta(seconds=config.timeout_s)
         dist.init_process_group(
             backend=select_backend(device, config),
@@ -194,14 +251,22 @@ def _rendezvous_store(env: DistEnv, timeout: timedelta) -> dist.Store:
     return dist.PrefixStore("default_pg", store)  # the namespace init_process_group would use
 
 
-def _require_rendezvous_address() -> None:
+#: Launchers that start every rank themselves, with how to give the ranks a meeting point.
+_RENDEZVOUS_HINTS = {
+    "slurm": "with one Slurm task per GPU the ranks meet at MASTER_ADDR:MASTER_PORT. Export "
+    'them in the batch script (the first host of `scontrol show hostnames "$SLURM_JOB_NODELIST"` '
+    "and a free port), or use torchrun.",
+    "mpi": "under mpirun the ranks meet at MASTER_ADDR:MASTER_PORT. Pass them to every process "
+    "(Open MPI: `mpirun -x MASTER_ADDR=<first host> -x MASTER_PORT=<free port>`; MPICH and "
+    "Intel MPI: `mpiexec -genv MASTER_ADDR <first host> -genv MASTER_PORT <free port>`), or "
+    "use torchrun.",
+}
+
+
+def _require_rendezvous_address(launcher: str) -> None:
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
     if missing:
-        raise DistributedError(
-            f"{' and '.join(missing)} not set: with one Slurm task per GPU the ranks meet at "
-            "MASTER_ADDR:MASTER_PORT. Export them in the batch script (the first host of "
-            '`scontrol show hostnames "$SLURM_JOB_NODELIST"` and a free port), or use torchrun.'
-        )
+        raise DistributedError(f"{' and '.join(missing)} not set: {_RENDEZVOUS_HINTS[launcher]}")
 
 
 def is_distributed() -> bool:
@@ -209,10 +274,18 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def barrier() -> None:
-    """Wait for every rank, for up to `dist.barrier_timeout_s`; a no-op for a single process."""
-    if is_distributed():
+def barrier(timeout_s: float | None = None) -> None:
+    """Wait for every rank, for up to `timeout_s` (default `dist.barrier_timeout_s`); a no-op
+    for a single process. With `timeout_s`, a rank that does not arrive in time is named in the
+    error (a monitored barrier on the gloo control group)."""
+    if not is_distributed():
+        return
+    if timeout_s is None:
         dist.barrier(group=_control_group)
+    else:
+        dist.monitored_barrier(
+            group=_control_group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True
+        )
 
 
 def wrap_ddp(
