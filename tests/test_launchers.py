@@ -196,9 +196,11 @@ NUMERIC_SETTINGS = [
     ("launch/slurm/train.sbatch", "SLURM_NTASKS_PER_NODE", SLURM_JOB),
     ("launch/slurm/train.sbatch", "MASTER_PORT", SLURM_JOB),
     ("launch/slurm/train.sbatch", "NPROC_PER_NODE", SLURM_JOB),
+    ("launch/slurm/train.sbatch", "SHUTDOWN_TIMEOUT", SLURM_JOB),
     ("launch/torchrun.sh", "NNODES", {"RDZV_ENDPOINT": "node01:29400"}),
     ("launch/torchrun.sh", "NPROC_PER_NODE", {}),
     ("launch/torchrun.sh", "MAX_RESTARTS", {}),
+    ("launch/torchrun.sh", "SHUTDOWN_TIMEOUT", {}),
 ]
 
 
@@ -337,17 +339,17 @@ def test_two_hosts_train_as_one_job_with_torchrun(project: Path, tmp_path: Path)
 def test_usr1_stops_a_torchrun_run_after_one_step_with_a_checkpoint(
     project: Path, tmp_path: Path
 ) -> None:
-    """USR1 to every process of a torchrun.sh run, as the README's `pkill -USR1 -f` sends it
-    (torchrun included, which ignores it): both ranks stop after the same step, save a
-    checkpoint there and exit 0."""
+    """USR1 to launch/torchrun.sh, as `kill -USR1 PID` sends it: the script passes it on to
+    torchrun, which passes it on to its workers (--signals-to-handle) instead of dying of it;
+    both ranks stop after the same step, save a checkpoint there, and the script exits 0."""
     launch, run_dir, log = start_torchrun_run(project, tmp_path)
-    # Every process of this run, and no other, has its run directory on the command line.
-    subprocess.run(["pkill", "-USR1", "-f", f"run.dir={run_dir}"], check=True)
+    os.kill(launch.pid, signal.SIGUSR1)
     [code] = wait_for_all([launch], timeout=120)
     text = log.read_text()
     assert code == 0, text[-3000:]
-    stopped = re.search(r"stopped at step (\d+) of \d+ on a stop request", text)
+    stopped = re.search(r"stopped at step (\d+) of \d+ on a stop request \(SIGUSR1\)", text)
     assert stopped, text[-3000:]
+    assert "closing signal SIGUSR1" in text  # torchrun passing it on to each worker
     assert final_checkpoint(run_dir)["step"] == int(stopped.group(1))
 
 

@@ -23,6 +23,11 @@
 #                   rendezvous (otherwise torchrun decides that from the host name)
 #   MAX_RESTARTS    how often torchrun restarts all workers after a failure [0]; restarted
 #                   workers resume from the newest checkpoint in run.dir
+#   SHUTDOWN_TIMEOUT  seconds torchrun gives its workers to stop after a signal before it kills
+#                   them [120]. A stop takes about 2 x checkpoint.stop_check_s, a step and one
+#                   checkpoint write ("saved checkpoint ... in N s" in the log): keep it above
+#                   twice that. A rank that has not stopped 5 s before it writes its Python
+#                   stacks to <run.dir>/stacks/ and exits.
 #   CONFIG          the YAML config [configs/default.yaml]
 #   DRY_RUN=1       print the torchrun command (one line, shell-quoted) instead of running it;
 #                   the same as --dry-run as the first argument
@@ -30,14 +35,19 @@
 # Stopping: SIGTERM to this script (kill PID, docker stop, Kubernetes) is passed on to torchrun,
 # which passes it on to the training processes: every rank finishes the same step, saves a
 # checkpoint and exits with 75; torchrun then exits 1 whatever its workers did, and this script
-# exits 75. To stop without that status, send USR1 or USR2 to all processes of the run, e.g.
-#   pkill -USR1 -f {{ cookiecutter.package_name }}.train
-# (torchrun and its workers start with USR1 and USR2 ignored; the training sets its handlers).
-# A worker that exits 75 on its own (SIGTERM to it alone) is restarted by torchrun when
-# MAX_RESTARTS allows, and resumes from that checkpoint.
+# exits 75. Ctrl-C does the same (torchrun gets it from the terminal). To stop without that
+# status, send USR1 or USR2 to this script, which passes it on the same way and exits 0:
+#   kill -USR1 PID    or    pkill -USR1 -f launch/torchrun.sh
+# Send a signal to this script or to torchrun, not to both: torchrun, signalled twice, turns
+# the second into SIGTERM. Signalled alone, torchrun passes the signal on all the same, but this
+# script, not told, reports torchrun's 1. A signal to the training processes alone (pkill -f
+# {{ cookiecutter.package_name }}.train) stops them too; torchrun is then not signalled and
+# reports what they did. A worker that exits 75 on its own (SIGTERM to it alone) is restarted
+# by torchrun when MAX_RESTARTS allows, and resumes from that checkpoint.
 #
-# Exit status: 0 finished, or stopped on USR1/USR2; 75 stopped on SIGTERM with a checkpoint at
-# the current step: launch the same command again to resume; 2 a bad setting; other failed.
+# Exit status: 0 finished, or stopped on USR1/USR2; 75 stopped on SIGTERM or Ctrl-C with a
+# checkpoint at the current step: launch the same command again to resume; 2 a bad setting;
+# other failed.
 #
 # Two machines, 8 GPUs each: on both, with the same run directory on a shared file system,
 #   NNODES=2 RDZV_ENDPOINT=node01:29500 RDZV_ID=exp1 launch/torchrun.sh run.dir=/shared/runs/exp1
@@ -71,6 +81,7 @@ gpu_count() {
 NNODES="${NNODES:-1}"
 RDZV_ID="${RDZV_ID:-local}"
 MAX_RESTARTS="${MAX_RESTARTS:-0}"
+SHUTDOWN_TIMEOUT="${SHUTDOWN_TIMEOUT:-120}"
 CONFIG="${CONFIG:-configs/default.yaml}"
 DRY_RUN="${DRY_RUN:-0}"
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
@@ -86,6 +97,7 @@ fi
 [[ "$NNODES" =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ ]] || die "NNODES must be a positive number or MIN:MAX, got '$NNODES'"
 [[ "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]] || die "NPROC_PER_NODE must be a positive number, got '$NPROC_PER_NODE'"
 [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || die "MAX_RESTARTS must be a number >= 0, got '$MAX_RESTARTS'"
+[[ "$SHUTDOWN_TIMEOUT" =~ ^[1-9][0-9]*$ ]] || die "SHUTDOWN_TIMEOUT must be a positive number of seconds, got '$SHUTDOWN_TIMEOUT'"
 
 command=(torchrun)
 if [[ "$NNODES" == 1 ]]; then
@@ -111,6 +123,8 @@ fi
 command+=(
     --nproc-per-node="$NPROC_PER_NODE"
     --max-restarts="$MAX_RESTARTS"
+    --shutdown-timeout="$SHUTDOWN_TIMEOUT"
+    "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
     -m {{ cookiecutter.package_name }}.train --config "$CONFIG" "$@"
 )
 
@@ -120,30 +134,36 @@ if [[ "$DRY_RUN" == 1 ]]; then
     printf '\n'
     exit 0
 fi
-# torchrun and its workers start with USR1 and USR2 ignored (an ignored signal stays ignored
-# across exec and in child processes): torchrun would die of them, and the training sets its own
-# handlers (checkpoint.stop_on_signals) once it is ready.
-trap '' USR1 USR2
 # A fresh rendezvous store for every torchrun restart (--max-restarts): in the shared one, a
 # restarted rank could find the failed attempt's addresses and wait for ranks that are gone.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-# SIGTERM is passed on to torchrun; SIGINT (Ctrl-C) reaches it from the terminal by itself, and
-# this script waits for it to finish either way.
+# The training processes read it too: a rank that has not stopped by then writes its stacks.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$SHUTDOWN_TIMEOUT"
+# SIGTERM, USR1 and USR2 are passed on to torchrun, which passes them on to the training
+# processes; SIGINT (Ctrl-C) reaches it from the terminal by itself. This script waits for it to
+# finish either way, and remembers the signal for its exit status.
 torchrun_pid=""
-term_received=0
-# shellcheck disable=SC2329  # called by the trap
-on_term() {
-    term_received=1
-    if [[ -n "$torchrun_pid" ]]; then
-        kill -TERM "$torchrun_pid" 2>/dev/null || true
+stopped_by=""
+# shellcheck disable=SC2329  # called by the traps
+pass_on() {
+    if [[ "$stopped_by" != TERM ]]; then
+        stopped_by="$1"
+    fi
+    if [[ "$1" != INT && -n "$torchrun_pid" ]]; then
+        kill -"$1" "$torchrun_pid" 2>/dev/null || true
     fi
 }
-trap on_term TERM
-trap '' INT
-# torchrun runs in the background so that this script takes SIGTERM at once, with SIGINT and
-# SIGQUIT at their defaults (bash ignores them in background commands).
+for signal in TERM USR1 USR2; do
+    # shellcheck disable=SC2064  # the signal's name now
+    trap "pass_on $signal" "$signal"
+done
+trap 'pass_on INT' INT
+# torchrun runs in the background so that this script takes signals at once, with SIGINT and
+# SIGQUIT at their defaults (bash ignores them in background commands), and USR1 and USR2
+# ignored until torchrun sets its own handlers (an ignored signal stays ignored across exec).
 (
     trap - INT QUIT
+    trap '' USR1 USR2
     exec "${command[@]}"
 ) &
 torchrun_pid=$!
@@ -152,8 +172,11 @@ status=0
 while wait "$torchrun_pid" || status=$?; kill -0 "$torchrun_pid" 2>/dev/null; do
     status=0
 done
-# torchrun exits 1 after SIGTERM, whatever its workers did: report the training's 75.
-if ((term_received && status == 1)); then
-    exit 75
+# torchrun exits 1 after a signal, whatever its workers did: report the training's status.
+if ((status == 1)); then
+    case "$stopped_by" in
+    TERM | INT) exit 75 ;;
+    USR1 | USR2) exit 0 ;;
+    esac
 fi
 exit "$status"

@@ -1,13 +1,18 @@
 """torchrun --max-restarts: a rank that fails mid-run is restarted with the others, the job
-resumes from the last checkpoint and ends exactly where an unbroken run ends.
+resumes from the last checkpoint and ends exactly where an unbroken run ends. One launch holds
+both kinds of failure: rank 1 raises in the first attempt, and is killed in the second.
 
 Both runs start from initial weights (init.weights, as fine-tuning does) and keep a moving
 average of the weights (ema.decay): the restart must resume its own checkpoint, not start from
 the initial weights again, and the average must continue bitwise, up to the exported weights.
+The unbroken run's first checkpoint takes longer to write than `dist.timeout_s`, which the
+ranks wait for.
 """
 
 from __future__ import annotations
 
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -23,34 +28,51 @@ from .helpers import FAST, run_torchrun, write_fault_entry
 pytestmark = [pytest.mark.distributed, pytest.mark.faults, pytest.mark.timeout(300)]
 
 TOTAL_STEPS = 12
-CHECKPOINT_STEP = 4  # FAST saves every 4 steps
-FAIL_IN_STEP = 6  # after the checkpoint at step 4: the restart resumes from there, step 5 is redone
+#: Attempt (torchrun's TORCHELASTIC_RESTART_COUNT) -> the step rank 1 fails in, how, and the
+#: checkpoint the next attempt resumes from (FAST saves every 4 steps): each failure comes
+#: after a checkpoint, so that the steps since are trained again.
+FAILURES = {
+    # Unwinds through the process group's teardown and exits non-zero.
+    "0": (6, 'raise RuntimeError("rank 1 failed")', 4),
+    # No teardown at all, as when the out-of-memory killer ends a rank.
+    "1": (10, "os.kill(os.getpid(), signal.SIGKILL)", 8),
+}
 #: A restart is a new start-up of every rank; one that neither trains nor fails by then hangs.
-LAUNCH_TIMEOUT_S = 120
+LAUNCH_TIMEOUT_S = 180
+#: The unbroken run's collective timeout, and how long rank 0 takes to write the replicated
+#: state of its first checkpoint (as a large model on a slow disk).
+COLLECTIVE_TIMEOUT_S = 4
+SLOW_WRITE_S = 6
 
-#: The fault: rank 1 fails in optimizer step FAIL_IN_STEP of the first attempt (torchrun
-#: numbers the attempts in TORCHELASTIC_RESTART_COUNT).
-FAILING_STEP = """
+SLOW_FIRST_SAVE = """
+atomic_save = checkpoint._atomic_save
+
+
+def slow_atomic_save(obj, path):
+    if path.name == checkpoint.STATE_FILE and not os.environ.get("SLOW_SAVE_DONE"):
+        os.environ["SLOW_SAVE_DONE"] = "1"
+        time.sleep({seconds})
+    return atomic_save(obj, path)
+
+
+checkpoint._atomic_save = slow_atomic_save
+"""
+
+FAILING_STEPS = """
 train_step = Trainer.train_step
+failures = {failures}
 
 
 def failing_train_step(self, batches):
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
-    if first_attempt and self.env.rank == 1 and self.step + 1 == {step}:
-        print("rank 1 fails in step {step}", file=sys.stderr, flush=True)
-        {failure}
+    step, failure, _ = failures.get(os.environ.get("TORCHELASTIC_RESTART_COUNT"), (0, "", 0))
+    if self.env.rank == 1 and self.step + 1 == step:
+        print("rank 1 fails in step", step, file=sys.stderr, flush=True)
+        exec(failure)
     return train_step(self, batches)
 
 
 Trainer.train_step = failing_train_step
 """
-
-FAILURES = {
-    # Unwinds through the process group's teardown and exits non-zero.
-    "exception": 'raise RuntimeError("rank 1 failed")',
-    # No teardown at all, as when the out-of-memory killer ends a rank.
-    "killed": "os.kill(os.getpid(), signal.SIGKILL)",
-}
 
 
 def _overrides(run_dir: Path, initial_weights: Path) -> list[str]:
@@ -80,20 +102,40 @@ def _final_state(run_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def unbroken_run(tmp_path_factory: pytest.TempPathFactory, initial_weights: Path) -> dict:
-    """The final state of the same training without a failure."""
-    run_dir = tmp_path_factory.mktemp("unbroken") / "run"
-    result = run_torchrun(2, _overrides(run_dir, initial_weights))
+def unbroken_launch(
+    tmp_path_factory: pytest.TempPathFactory, initial_weights: Path
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The same training without a failure, whose first save is slower than the collective
+    timeout."""
+    workdir = tmp_path_factory.mktemp("unbroken")
+    run_dir = workdir / "run"
+    entry = write_fault_entry(workdir, SLOW_FIRST_SAVE.format(seconds=SLOW_WRITE_S))
+    overrides = [*_overrides(run_dir, initial_weights), f"dist.timeout_s={COLLECTIVE_TIMEOUT_S}"]
+    return run_torchrun(2, overrides, entry=entry), run_dir
+
+
+@pytest.fixture(scope="module")
+def unbroken_run(unbroken_launch: tuple[subprocess.CompletedProcess[str], Path]) -> dict:
+    """The final state of the unbroken training."""
+    result, run_dir = unbroken_launch
     assert result.returncode == 0, result.stderr[-6000:]
     return _final_state(run_dir)
 
 
-@pytest.mark.parametrize("failure", sorted(FAILURES))
-def test_a_rank_failing_after_a_checkpoint_is_restarted_and_ends_like_an_unbroken_run(
-    failure: str, unbroken_run: dict, initial_weights: Path, tmp_path: Path
+def test_a_checkpoint_write_longer_than_the_collective_timeout_is_waited_for(
+    unbroken_launch: tuple[subprocess.CompletedProcess[str], Path],
 ) -> None:
-    fault = FAILING_STEP.format(step=FAIL_IN_STEP, failure=FAILURES[failure])
-    entry = write_fault_entry(tmp_path, fault)
+    result, run_dir = unbroken_launch
+    assert result.returncode == 0, result.stderr[-6000:]
+    written = re.search(r"saved checkpoint \S+step_00000004, written in ([\d.]+) s", result.stderr)
+    assert written and float(written[1]) >= SLOW_WRITE_S > COLLECTIVE_TIMEOUT_S
+    assert latest_checkpoint(run_dir).name == f"step_{TOTAL_STEPS:08d}"
+
+
+def test_a_rank_that_raises_then_one_that_is_killed_are_restarted_and_end_like_an_unbroken_run(
+    unbroken_run: dict, initial_weights: Path, tmp_path: Path
+) -> None:
+    entry = write_fault_entry(tmp_path, FAILING_STEPS.format(failures=FAILURES))
     run_dir = tmp_path / "run"
 
     result = run_torchrun(
@@ -101,13 +143,14 @@ def test_a_rank_failing_after_a_checkpoint_is_restarted_and_ends_like_an_unbroke
         _overrides(run_dir, initial_weights),
         timeout=LAUNCH_TIMEOUT_S,
         entry=entry,
-        max_restarts=1,
+        max_restarts=len(FAILURES),
     )
     output = result.stderr
 
     assert result.returncode == 0, output[-6000:]
-    assert f"rank 1 fails in step {FAIL_IN_STEP}" in output
-    assert "resumed from" in output and f"at step {CHECKPOINT_STEP}" in output, output[-6000:]
+    for step, _, resumed_at in FAILURES.values():
+        assert f"rank 1 fails in step {step}" in output
+        assert f"at step {resumed_at}" in output, output[-6000:]
     state = _final_state(run_dir)
     assert latest_checkpoint(run_dir).name == f"step_{TOTAL_STEPS:08d}"
     assert state["step"] == TOTAL_STEPS

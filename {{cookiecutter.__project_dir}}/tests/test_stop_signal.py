@@ -1,15 +1,18 @@
 """Stop signals end training cleanly: every rank finishes the same step, a checkpoint is saved
 there, the exit status says whether to launch again, and the next launch loses no step.
 
-SIGTERM (preemption, scancel, torchrun) exits with 75; SIGUSR1 and SIGUSR2 (Slurm's time-limit
-warning) with 0. With several ranks the stop comes one step after the signal (the agreement is
-read a step late so that it never blocks); with one process, right after the step.
+SIGTERM (preemption, scancel, torchrun), SIGINT (Ctrl-C) and SIGHUP exit with 75; SIGUSR1 and
+SIGUSR2 (Slurm's time-limit warning) with 0; a second Ctrl-C at once, with 130. With several
+ranks the stop comes one step after the signal (the agreement is read a step late so that it
+never blocks); with one process, right after the step.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +22,7 @@ import torch
 
 from {{ cookiecutter.package_name }}.checkpoint import latest_checkpoint
 from {{ cookiecutter.package_name }}.config import load_config
-from {{ cookiecutter.package_name }}.stopping import EXIT_RESUMABLE, StopRequests
+from {{ cookiecutter.package_name }}.stopping import EXIT_INTERRUPTED, EXIT_RESUMABLE, StopRequests
 from {{ cookiecutter.package_name }}.train import main
 from {{ cookiecutter.package_name }}.trainer import Trainer
 
@@ -229,6 +232,85 @@ def test_a_single_process_stops_right_after_the_step_it_was_signalled_in(tmp_pat
     assert trainer.fit() == EXIT_RESUMABLE
     assert trainer.step == 3
     assert latest_checkpoint(trainer.run_dir).name == "step_00000003"
+
+
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGHUP"])
+def test_ctrl_c_and_sighup_stop_like_sigterm_and_the_log_names_them(
+    tmp_path: Path, signame: str
+) -> None:
+    """Ctrl-C, or a closed terminal or ssh session: a checkpoint at the step, and the status to
+    resume (the ranks agree on them as on SIGTERM, the same value: test_stop_signal above)."""
+    trainer = make_trainer(load_config(None, _overrides(tmp_path)))
+    _arrange_signal(trainer, getattr(signal, signame), "step", 3)
+    assert trainer.fit() == EXIT_RESUMABLE
+    assert trainer.stop.reason == signame
+    assert latest_checkpoint(trainer.run_dir).name == "step_00000003"
+
+
+def test_a_second_ctrl_c_exits_at_once_without_a_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first Ctrl-C asks for the stop's checkpoint; a second one, during that save, ends the
+    command at once (130), and leaves no checkpoint that a resume would load."""
+    train_step, save = Trainer.train_step, Trainer.save
+
+    def interrupted_train_step(self: Trainer, batches: object) -> tuple:
+        if self.step == 1:
+            _signal_self(signal.SIGINT)
+        return train_step(self, batches)
+
+    def interrupted_save(self: Trainer) -> Path:
+        _signal_self(signal.SIGINT)
+        return save(self)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted_train_step)
+    monkeypatch.setattr(Trainer, "save", interrupted_save)
+    assert main(_overrides(tmp_path / "run")) == EXIT_INTERRUPTED
+    assert latest_checkpoint(tmp_path / "run") is None
+
+
+#: The training command as `python -m` runs it, sending itself SIGTERM as soon as torch starts
+#: to be imported: a preemption or torchrun's stop while the process is still starting.
+SIGTERM_DURING_IMPORTS = """
+import importlib.abc, os, runpy, signal, sys
+
+
+class SignalOnTorchImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return None
+
+
+sys.meta_path.insert(0, SignalOnTorchImport())
+runpy.run_module("{{ cookiecutter.package_name }}.train", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.faults  # a process of its own per case: run once, not with every option pair
+@pytest.mark.parametrize(
+    ("setting", "status"),
+    [("true", EXIT_RESUMABLE), ("false", -signal.SIGTERM)],
+    ids=["stop-on-signals", "signals-left-alone"],
+)
+def test_a_sigterm_while_torch_is_imported_takes_effect_once_training_starts(
+    tmp_path: Path, setting: str, status: int
+) -> None:
+    """Recorded from the first lines of the entry point, before the heavy imports: every rank
+    then stops at start-up with the documented status. With stop_on_signals=false the signal
+    keeps its usual effect, delivered once the setting is read."""
+    entry = tmp_path / "entry.py"
+    entry.write_text(SIGTERM_DURING_IMPORTS)
+    overrides = _overrides(tmp_path / "run", f"checkpoint.stop_on_signals={setting}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, str(entry), *overrides], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == status, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    if status == EXIT_RESUMABLE:
+        assert f"stopped at step 0 of {TOTAL_STEPS} on SIGTERM" in result.stderr
 
 
 def test_the_training_command_exits_75_after_sigterm(

@@ -1,13 +1,19 @@
 """Stopping on a signal: every rank finishes the same step, saves a checkpoint and exits.
 
 - SIGTERM (Slurm on preemption, scancel and at the time limit; torchrun passing on its own;
-  `docker stop`; Kubernetes): exit status 75, `EXIT_RESUMABLE`.
+  `docker stop`; Kubernetes), SIGINT (Ctrl-C) and SIGHUP (the terminal or ssh session closed):
+  exit status 75, `EXIT_RESUMABLE`.
 - SIGUSR1 or SIGUSR2 (the Slurm script ahead of the time limit, or you): exit status 0.
 
 75 is EX_TEMPFAIL: "stopped with a checkpoint at the current step; launch the same command again
 to continue". torchrun restarts the workers on it (when `--max-restarts` allows) and the Slurm
 script requeues the job. 0 after SIGUSR1/SIGUSR2: the stop was asked for, whoever asked decides
-what comes next.
+what comes next. Ctrl-C and SIGHUP take 75, not 0: the training did not finish, so that
+`train && next-step` does not go on as if it had. A second Ctrl-C interrupts at once
+(KeyboardInterrupt; the entry point exits 130) without a checkpoint of the current step: an
+interrupted save is never loaded, the newest complete checkpoint stays the one to resume from.
+Signals that arrive before training starts (even while torch is imported: signals.py) stop
+every rank at start-up with the same statuses.
 
 The handler only records the signal: saving inside a signal handler can deadlock. About once
 every `check_s` seconds of training, each rank starts an all-reduce (MAX) of what it has
@@ -31,15 +37,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import signals
 from .distributed import control_group, is_distributed
 
 EXIT_RESUMABLE = 75
+#: A second Ctrl-C: stopped at once, without a checkpoint of the current step (128 + SIGINT).
+EXIT_INTERRUPTED = 130
 #: The most steps between two checks, however short the steps.
 MAX_CHECK_INTERVAL = 1000
 
-# What a rank has received, agreed on with MAX: a SIGTERM anywhere outweighs a stop request.
-_NOTHING, _REQUESTED, _TERMINATED = 0, 1, 2
-_SIGNALS = {"SIGTERM": _TERMINATED, "SIGUSR1": _REQUESTED, "SIGUSR2": _REQUESTED}
+_NOTHING = 0
+
+
+def _weight(signum: int) -> int:
+    """What a rank has received, agreed on with MAX: a terminating signal anywhere outweighs a
+    stop request; the signal number rides along (below 64), so that the log can name it."""
+    return signals.STOP_SIGNALS[signal.Signals(signum).name] * 64 + signum
+
+
+def _kind(weight: int) -> int:
+    return weight // 64
 
 
 class StopRequests:
@@ -56,13 +73,19 @@ class StopRequests:
         self._interval = 1  # steps from one check to the next: the same on every rank
         self._steps = 0
         self._since = time.perf_counter()
+        self._last_step_end = self._since
+        #: Steps taken since training started, and the longest time between two of them
+        #: (evaluations and saves included): what the stop deadline is sized from (watchdog.py).
+        self.steps_taken = 0
+        self.longest_step_s = 0.0
 
     @contextmanager
     def installed(self) -> Iterator[None]:
         """Record the stop signals inside the block, and restore the previous handlers after it.
 
         Re-entrant: an inner block inside an outer one changes nothing. Python sets signal
-        handlers from the main thread only; elsewhere the signals keep their meaning.
+        handlers from the main thread only; elsewhere the signals keep their meaning. Takes over
+        what signals.record_early() recorded, and restores the handlers from before it.
         """
         if (
             not self.enabled
@@ -71,13 +94,15 @@ class StopRequests:
         ):
             yield
             return
-        previous: dict[signal.Signals, Any] = {}
-        for name in _SIGNALS:
-            signum = getattr(signal, name, None)  # SIGUSR1/2 do not exist on Windows
-            if signum is not None:
-                previous[signum] = signal.signal(signum, self._record)
+        previous: dict[int, Any] = {
+            signum: signal.signal(signum, self._record) for signum in signals.stop_signals()
+        }
+        received_early, before_early = signals.take_over()
+        previous.update(before_early)
         self._installed = True
         try:
+            for signum in received_early:
+                self._record(signum, None)
             yield
         finally:
             for signum, handler in previous.items():
@@ -86,7 +111,9 @@ class StopRequests:
 
     def _record(self, signum: int, frame: object) -> None:
         # Only a flag: logging or saving here could run in the middle of the same work.
-        self.received = max(self.received, _SIGNALS[signal.Signals(signum).name])
+        if signum == signal.SIGINT and self.received == _weight(signal.SIGINT):
+            raise KeyboardInterrupt  # Ctrl-C twice: stop now, without a checkpoint
+        self.received = max(self.received, _weight(signum))
 
     def agreed_now(self) -> bool:
         """Whether any rank has received a stop signal so far; blocking, for before training.
@@ -100,7 +127,7 @@ class StopRequests:
         if is_distributed():
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=control_group())
         self.agreed = int(value)
-        self._since = time.perf_counter()
+        self._since = self._last_step_end = time.perf_counter()
         return self.agreed != _NOTHING
 
     def agreed_after_step(self) -> bool:
@@ -111,13 +138,16 @@ class StopRequests:
         """
         if not self.enabled:
             return False
+        now = time.perf_counter()
+        self.longest_step_s = max(self.longest_step_s, now - self._last_step_end)
+        self._last_step_end = now
+        self.steps_taken += 1
         if not is_distributed():
             self.agreed = self.received
             return self.agreed != _NOTHING
         self._steps += 1
         if self._steps < self._interval:
             return False
-        now = time.perf_counter()
         step_time = (now - self._since) / self._steps
         self._steps, self._since = 0, now
         agreed = self._finish_pending()
@@ -148,10 +178,11 @@ class StopRequests:
 
     @property
     def reason(self) -> str:
-        """The agreed stop in words, for the log."""
-        return "SIGTERM" if self.agreed == _TERMINATED else "a stop request (SIGUSR1/SIGUSR2)"
+        """The agreed stop in words, for the log: the signal, e.g. SIGTERM."""
+        name = signal.Signals(self.agreed % 64).name
+        return name if _kind(self.agreed) == signals.TERMINATED else f"a stop request ({name})"
 
     @property
     def exit_status(self) -> int:
-        """What the process exits with: EXIT_RESUMABLE after a SIGTERM stop, else 0."""
-        return EXIT_RESUMABLE if self.agreed == _TERMINATED else 0
+        """What the process exits with: EXIT_RESUMABLE after SIGTERM, SIGINT or SIGHUP, else 0."""
+        return EXIT_RESUMABLE if _kind(self.agreed) == signals.TERMINATED else 0

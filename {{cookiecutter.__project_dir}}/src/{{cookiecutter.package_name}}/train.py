@@ -6,6 +6,13 @@ Running it again with the same run directory resumes from the newest complete ch
 
 from __future__ import annotations
 
+from .signals import record_early, release_early
+
+if __name__ == "__main__":
+    # Before the heavy imports (torch takes seconds): a stop signal that arrives meanwhile is
+    # recorded and acted on once training can save, instead of killing the process.
+    record_early()
+
 import argparse
 import logging
 import sys
@@ -14,17 +21,22 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from .checkpoint import CheckpointSaveError, new_job_token, remove_foreign_staging
 from .config import Config, ConfigError, load_config, settings, to_yaml
 from .distributed import DistEnv, barrier, detect_env, process_group
+from .divergence import EXIT_DIVERGED, DivergenceError
 from .logs import setup_logging
 from .metrics import MetricsLogger
+from .parent_watch import launcher_watched
 from .resume import ResumeError, require_fresh_run_dir
-from .stopping import StopRequests
+from .run_lock import EXIT_RUN_DIR_BUSY, RunDirBusyError, RunLock, owned_run_dir
+from .stopping import EXIT_INTERRUPTED, StopRequests
 from .task import Task
 {%- if cookiecutter.tracker != "none" %}
 from .tracker import Tracker
 {%- endif %}
 from .trainer import Trainer, batch_split
+from .watchdog import hangs_reported, stop_deadline
 from .weights import WeightsError
 
 log = logging.getLogger(__name__)
@@ -82,15 +94,54 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     run_dir = Path(config.run.dir)
-    setup_logging(env.rank, run_dir)
     # From here on a stop signal is recorded, not fatal: it is acted on once training can save.
     stop = StopRequests(config.checkpoint.stop_on_signals, config.checkpoint.stop_check_s)
+    if not stop.enabled:
+        release_early()
     try:
-        with stop.installed(), process_group(env, config.dist) as device:
+        with (
+            stop.installed(),
+            launcher_watched(env),
+            process_group(env, config.dist) as device,
+            owned_run_dir(run_dir, env) as lock,
+            stop_deadline(stop, env, run_dir, config),
+            hangs_reported(run_dir, env, config.dist.timeout_s),
+        ):
+            # Nothing is written in the run directory before this job owns it: a job refused
+            # leaves the holder's logs, metrics and checkpoints as they are.
+            setup_logging(env.rank, run_dir)
+            if lock is not None:
+                _clear_dead_job(lock, run_dir)
             return train(config, env, device, run_dir, stop)
+    except RunDirBusyError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_RUN_DIR_BUSY
     except (ResumeError, WeightsError, ConfigError) as error:
         log.error("%s", error)
         return 2
+    except DivergenceError as error:
+        log.error("%s", error)
+        return EXIT_DIVERGED
+    except CheckpointSaveError as error:  # a full disk: the earlier checkpoints are intact
+        log.error("%s", error)
+        return 1
+    except KeyboardInterrupt:
+        log.error(
+            "interrupted again: exiting now, without a checkpoint of this step; the newest "
+            "complete checkpoint in %s is where the next launch resumes",
+            run_dir,
+        )
+        return EXIT_INTERRUPTED
+
+
+def _clear_dead_job(lock: RunLock, run_dir: Path) -> None:
+    """Say whose lock was taken over, and remove the saves that job never finished (a full disk
+    may have stopped it), before anything of the run directory is read."""
+    if lock.replaced is not None:
+        dead, age = lock.replaced
+        log.warning("took over %s from a job that is gone: %s", run_dir, dead.describe(age))
+    for staging in remove_foreign_staging(run_dir, new_job_token()):
+        log.warning("removed %s, an unfinished save of a job that is gone", staging)
 
 
 def train(
