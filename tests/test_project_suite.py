@@ -50,17 +50,27 @@ from variants import (
     template_files,
 )
 
-#: Multi-process tests of mechanisms that no task changes: how the ranks agree to stop, how a
-#: bad setting ends every rank, how the shipped config's batch splits over 8 ranks, which rank
-#: writes which log file. The default project runs them; projects of other tasks (the other
-#: example, tests/test_user_tasks.py) deselect them.
+#: Multi-process tests of mechanisms that no task changes: how the ranks agree to stop (on a
+#: signal, or early on a scripted evaluation), how a bad setting ends every rank, how the
+#: shipped config's batch splits over 8 ranks, which rank writes which file, how the ranks
+#: agree on a damaged checkpoint, a diverged replica or an inf gradient they were handed, how a
+#: starved rank is named, and the all-reduce benchmark, which trains nothing. The default
+#: project runs them; projects of other tasks (the other example, tests/test_user_tasks.py)
+#: deselect them.
 TASK_INDEPENDENT = [
     "tests/test_stop_signal.py",
+    "tests/test_best.py",
     "tests/test_distributed.py::test_eight_ranks_train_the_default_config_unchanged",
     "tests/test_distributed.py::test_failing_rank_ends_the_job_with_an_error",
     "tests/test_ranks.py::test_each_log_file_has_one_writer",
     "tests/test_ranks.py::test_train_log_holds_rank_zero_lines_only",
     "tests/test_ranks.py::test_a_warning_goes_to_the_rank_s_own_file",
+    "tests/test_ranks.py::test_replica_check_catches_a_diverged_rank",
+    "tests/test_ranks.py::test_only_rank_zero_writes_replicated_files",
+    "tests/test_checkpoint.py::test_ranks_agree_on_the_fallback_when_only_one_rank_cannot_load_its_file",
+    "tests/test_amp.py::test_inf_gradient_on_one_rank_skips_the_step_on_every_rank",
+    "tests/test_throughput.py::test_a_rank_starved_for_data_is_named_in_the_log",
+    "tests/test_benchmarks.py::test_allreduce_reports_bus_bandwidth_as_nccl_tests_define_it",
 ]
 #: What a project of another task runs: the suite but the fault tests, the tests that train
 #: tasks of their own (own_tasks) and the task-independent mechanisms, which the default
@@ -141,7 +151,13 @@ def test_the_suite_options_leave_the_pytest_settings_alone() -> None:
 
 def test_the_fault_tests_read_no_option() -> None:
     """So that the default project alone runs them."""
-    fault_tests = ["tests/test_restart.py", "tests/test_timeouts.py"]
+    fault_tests = [
+        infile
+        for infile in template_files()
+        if infile.startswith("tests/test_")
+        and "pytest.mark.faults" in (ROOT / "{{cookiecutter.__project_dir}}" / infile).read_text()
+    ]
+    assert "tests/test_restart.py" in fault_tests
     assert not frozenset().union(*map(dependencies, fault_tests))
 
 

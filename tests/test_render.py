@@ -80,11 +80,13 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
     tests += ["distributed_env", "gpu", "plot"]
     tests += ["gradients", "ranks", "restart", "resume", "resume_checks", "sharding"]
     tests += ["stop_signal", "throughput", "timeouts", "trainer", "weights"]
-    tests += ["contract", "ema", "loss_normalisation"]
+    tests += ["contract", "ema", "loss_normalisation", "run_lock", "parent_death"]
+    tests += ["checkpoint_faults", "divergence", "best"]
     files |= {f"tests/test_{name}.py" for name in tests}
     modules = ["checkpoint", "config", "data", "distributed", "logs", "metrics", "profiling"]
     modules += ["plot", "resume", "stopping", "task", "throughput", "train", "trainer", "__init__"]
-    modules += ["contract", "losses", "optimizer", "rng", "weights"]
+    modules += ["contract", "losses", "optimizer", "rng", "weights", "run_lock", "parent_watch"]
+    modules += ["signals", "watchdog", "divergence", "best"]
     files |= {f"src/{package}/{name}.py" for name in modules}
     if combo["use_slurm"]:
         files.add("launch/slurm/train.sbatch")

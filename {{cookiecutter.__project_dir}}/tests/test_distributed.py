@@ -1,4 +1,5 @@
-"""Real multi-process training: 2 ranks over gloo on CPU, launched by torchrun."""
+"""Real multi-process training over gloo on CPU: 2 ranks launched by torchrun, and the shipped
+config on 8 ranks."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from {{ cookiecutter.package_name }}.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
 )
+from {{ cookiecutter.package_name }}.config import load_config
 from {{ cookiecutter.package_name }}.metrics import read_metrics
 
-from .helpers import FAST, run_torchrun
+from .helpers import FAST, env_for, make_trainer, run_torchrun, spawn
+
+DEFAULT_CONFIG = Path(__file__).parents[1] / "configs" / "default.yaml"
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -49,16 +53,20 @@ def test_failing_rank_ends_the_job_with_an_error(tmp_path: Path) -> None:
     assert "smaller than one global batch" in result.stderr
 
 
+def _train_the_default_config(rank: int, world_size: int, run_dir: Path) -> dict:
+    config = load_config(DEFAULT_CONFIG, [f"run.dir={run_dir}", "train.max_steps=3"])
+    trainer = make_trainer(config, env_for(rank, world_size))
+    return {
+        "status": trainer.fit(),
+        "split": (trainer.micro_batch_size, trainer.accumulation_steps),
+    }
+
+
 def test_eight_ranks_train_the_default_config_unchanged(tmp_path: Path) -> None:
     """The shipped config on 8 processes: 128 samples per step = 8 ranks x 16, no accumulation."""
     run_dir = tmp_path / "run"
-    default_config = Path(__file__).parents[1] / "configs" / "default.yaml"
-    result = run_torchrun(
-        8,
-        ["--config", str(default_config), f"run.dir={run_dir}", "train.max_steps=3"],
-        timeout=280,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "global batch 128 = 8 ranks x 16 micro-batch x 1 accumulation" in result.stderr
+    ranks = spawn(8, _train_the_default_config, run_dir, workdir=tmp_path, timeout=280)
+    assert [rank["status"] for rank in ranks] == [0] * 8
+    assert {rank["split"] for rank in ranks} == {(16, 1)}
     loaded = load_checkpoint(latest_checkpoint(run_dir), rank=7, world_size=8)
     assert (loaded.state["step"], loaded.world_size) == (3, 8)

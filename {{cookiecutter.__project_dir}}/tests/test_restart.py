@@ -42,7 +42,7 @@ LAUNCH_TIMEOUT_S = 180
 #: The unbroken run's collective timeout, and how long rank 0 takes to write the replicated
 #: state of its first checkpoint (as a large model on a slow disk).
 COLLECTIVE_TIMEOUT_S = 4
-SLOW_WRITE_S = 6
+SLOW_WRITE_S = 5
 
 SLOW_FIRST_SAVE = """
 atomic_save = checkpoint._atomic_save

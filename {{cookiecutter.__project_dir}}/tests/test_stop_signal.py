@@ -112,14 +112,12 @@ def unbroken_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torc
     ("signame", "moment", "step", "status", "stop_step"),
     [
         ("SIGTERM", "step", 6, EXIT_RESUMABLE, 7),
-        ("SIGUSR1", "step", 6, 0, 7),
         ("SIGUSR2", "save", 8, 0, 9),
         ("SIGTERM", "eval", 4, EXIT_RESUMABLE, 5),
         ("SIGTERM", "start-up", 0, EXIT_RESUMABLE, 0),
     ],
     ids=[
         "sigterm-mid-step",
-        "sigusr1-mid-step",
         "sigusr2-during-save",
         "sigterm-during-eval",
         "sigterm-during-start-up",
@@ -234,16 +232,24 @@ def test_a_single_process_stops_right_after_the_step_it_was_signalled_in(tmp_pat
     assert latest_checkpoint(trainer.run_dir).name == "step_00000003"
 
 
-@pytest.mark.parametrize("signame", ["SIGINT", "SIGHUP"])
-def test_ctrl_c_and_sighup_stop_like_sigterm_and_the_log_names_them(
-    tmp_path: Path, signame: str
+@pytest.mark.parametrize(
+    ("signame", "status", "reason"),
+    [
+        ("SIGINT", EXIT_RESUMABLE, "SIGINT"),
+        ("SIGHUP", EXIT_RESUMABLE, "SIGHUP"),
+        ("SIGUSR1", 0, "a stop request (SIGUSR1)"),
+    ],
+)
+def test_ctrl_c_sighup_and_sigusr1_stop_with_a_checkpoint_and_the_log_names_them(
+    tmp_path: Path, signame: str, status: int, reason: str
 ) -> None:
-    """Ctrl-C, or a closed terminal or ssh session: a checkpoint at the step, and the status to
-    resume (the ranks agree on them as on SIGTERM, the same value: test_stop_signal above)."""
+    """Ctrl-C, a closed terminal or ssh session, a stop request: a checkpoint at the step and
+    the status for it. The ranks agree on them as on SIGTERM (a stop) and SIGUSR2 (a request):
+    the 2-rank cases above."""
     trainer = make_trainer(load_config(None, _overrides(tmp_path)))
     _arrange_signal(trainer, getattr(signal, signame), "step", 3)
-    assert trainer.fit() == EXIT_RESUMABLE
-    assert trainer.stop.reason == signame
+    assert trainer.fit() == status
+    assert trainer.stop.reason == reason
     assert latest_checkpoint(trainer.run_dir).name == "step_00000003"
 
 
