@@ -15,6 +15,7 @@ every value is finite.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -36,47 +37,48 @@ class DivergenceGuard:
     def __init__(self, device: torch.device, watch_gradients: bool = True) -> None:
         # fp16's loss scaler expects gradients that overflow and skips those steps itself.
         self.watch_gradients = watch_gradients
-        self._loss_bad = torch.zeros((), dtype=torch.bool, device=device)
-        # The first step seen non-finite, per field; 0: none so far.
-        self._first = torch.zeros(len(self.FIELDS), dtype=torch.float64, device=device)
+        # The first step seen non-finite, per field; inf: none so far. Kept as a running
+        # minimum: a few tiny device ops per step, no comparison with what was there.
+        self._first = torch.full((len(self.FIELDS),), math.inf, dtype=torch.float64, device=device)
+        self._step_loss: torch.Tensor | None = None
 
     def observe_loss(self, loss: torch.Tensor) -> None:
-        """Note whether a micro-batch's loss is finite (a device op: no wait)."""
-        self._loss_bad |= ~torch.isfinite(loss.detach()).all()
+        """Add a micro-batch's loss to the step's: a sum is finite only if every term is."""
+        loss = loss.detach()
+        self._step_loss = loss if self._step_loss is None else self._step_loss + loss
 
     def end_step(self, step: int, grad_norm: torch.Tensor | None, skipped: bool = False) -> None:
         """Record `step` where its loss (or gradient norm, when computed) is first non-finite;
         a step skipped for its non-finite gradients (train.on_nonfinite=skip) is not recorded."""
-        if not skipped:
-            no = torch.zeros_like(self._loss_bad)
-            grad_bad = no
-            if grad_norm is not None and self.watch_gradients:
-                grad_bad = ~torch.isfinite(grad_norm.detach())
-            self._mark(torch.stack([self._loss_bad, grad_bad, no]), step)
-        self._loss_bad.zero_()
+        loss, self._step_loss = self._step_loss, None
+        if skipped or loss is None:
+            return
+        if grad_norm is not None and self.watch_gradients:
+            values = torch.stack([loss.double(), grad_norm.detach().double()])
+            self._mark(slice(0, 2), values, step)
+        else:
+            self._mark(slice(0, 1), loss.double().reshape(1), step)
 
     def check_weights(self, step: int, modules: Iterable[torch.nn.Module]) -> None:
         """Record `step` if any parameter or buffer of `modules` is not finite (before a save:
         finite losses and gradients can still step the weights out of range)."""
         tensors = [
-            tensor
+            tensor.detach()
             for module in modules
             for tensor in (*module.parameters(), *module.buffers())
             if tensor.is_floating_point()
         ]
-        if not tensors:
-            return
-        finite = torch.stack([tensor.detach().isfinite().all() for tensor in tensors]).all()
-        flags = torch.zeros(len(self.FIELDS), dtype=torch.bool, device=finite.device)
-        flags[2] = ~finite
-        self._mark(flags, step)
+        if tensors:
+            finite = torch.stack([tensor.isfinite().all() for tensor in tensors]).all()
+            self._mark(slice(2, 3), torch.where(finite, 0.0, math.inf).reshape(1), step)
 
-    def _mark(self, bad: torch.Tensor, step: int) -> None:
-        self._first.copy_(torch.where(bad & (self._first == 0), float(step), self._first))
+    def _mark(self, fields: slice, values: torch.Tensor, step: int) -> None:
+        marks = torch.where(values.isfinite(), math.inf, float(step))
+        torch.minimum(self._first[fields], marks, out=self._first[fields])
 
     def record(self) -> torch.Tensor:
         """This rank's first non-finite steps (0: none), for the trainer's gather."""
-        return self._first
+        return torch.nan_to_num(self._first, posinf=0.0)
 
     @staticmethod
     def raise_if_diverged(rows: torch.Tensor, saved: str) -> None:
