@@ -1,12 +1,15 @@
 """A pytest plugin for the rendered projects' suites in the pairwise cover (test_project_suite.py
-loads it with `-p project_selection`): the fault tests and the tests that train tasks of their
-own (`own_tasks`: the same whatever the options) never run, the other single-process tests
-always do, and of the multi-process tests only those under the node ids given with
+loads it with `-p project_selection`): the tests that are the same whatever the options (the
+fault tests, those that train tasks of their own and those of modules no option changes) never
+run, the other single-process tests always do, and of the multi-process tests only those under the node ids given with
 `--multi-process-from` (a test, or a whole module)."""
 
 from __future__ import annotations
 
 import pytest
+
+#: Tests that are the same in every project: the default project runs them.
+ONCE = ("faults", "own_tasks", "standalone")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -23,7 +26,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     chosen = config.getoption("multi_process_from")
 
     def wanted(item: pytest.Item) -> bool:
-        if item.get_closest_marker("faults") or item.get_closest_marker("own_tasks"):
+        if any(item.get_closest_marker(name) for name in ONCE):
             return False
         if not item.get_closest_marker("distributed"):
             return True

@@ -25,7 +25,8 @@ CI, license, metadata) that the render tests and the launcher tests check. So:
 The fault tests exercise code that no option changes (test_restart.py and test_timeouts.py read
 no option; a test checks it), so the default options run them once; so do the tests that train
 tasks of their own (marked `own_tasks`: test_contract.py and test_loss_normalisation.py, whose
-tasks read no option and set the precision they test).
+tasks read no option and set the precision they test), and the tests of modules that no option
+and no task changes (marked `standalone`: token shards, storage).
 """
 
 from __future__ import annotations
@@ -73,11 +74,11 @@ TASK_INDEPENDENT = [
     "tests/test_benchmarks.py::test_allreduce_reports_bus_bandwidth_as_nccl_tests_define_it",
 ]
 #: What a project of another task runs: the suite but the fault tests, the tests that train
-#: tasks of their own (own_tasks) and the task-independent mechanisms, which the default
-#: project ran.
+#: tasks of their own (own_tasks), those of modules no task changes (standalone) and the
+#: task-independent mechanisms, which the default project ran.
 OTHER_TASK_SELECTION = [
     "-m",
-    "not faults and not own_tasks",
+    "not faults and not own_tasks and not standalone",
     *(f"--deselect={node}" for node in TASK_INDEPENDENT),
 ]
 TWO_RANK_TEST = "test_two_ranks_train_checkpoint_and_resume"
@@ -115,7 +116,15 @@ def run_project_suite(project: Path, env: dict[str, str], *options: str) -> dict
     result = subprocess.run(
         [sys.executable, *pytest_command, *options],
         cwd=project,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **env},
+        env={
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "WANDB_MODE": "offline",
+            # One MLflow store for the suite (its own tests check the default store): each
+            # fresh SQLite store costs a second of migrations.
+            "MLFLOW_TRACKING_URI": f"sqlite:///{project / 'mlflow-suite.db'}",
+            **env,
+        },
         capture_output=True,
         text=True,
     )
@@ -149,16 +158,22 @@ def test_the_suite_options_leave_the_pytest_settings_alone() -> None:
     assert all(each == settings[0] for each in settings)
 
 
-def test_the_fault_tests_read_no_option() -> None:
-    """So that the default project alone runs them."""
-    fault_tests = [
+def marked(marker: str) -> list[str]:
+    """The test modules that use `pytest.mark.<marker>`."""
+    return [
         infile
         for infile in template_files()
         if infile.startswith("tests/test_")
-        and "pytest.mark.faults" in (ROOT / "{{cookiecutter.__project_dir}}" / infile).read_text()
+        and f"pytest.mark.{marker}" in (ROOT / "{{cookiecutter.__project_dir}}" / infile).read_text()
     ]
-    assert "tests/test_restart.py" in fault_tests
-    assert not frozenset().union(*map(dependencies, fault_tests))
+
+
+@pytest.mark.parametrize(("marker", "example"), [("faults", "tests/test_restart.py")])
+def test_the_tests_run_once_read_no_option(marker: str, example: str) -> None:
+    """So that the default project alone runs them."""
+    modules = marked(marker)
+    assert example in modules
+    assert not frozenset().union(*map(dependencies, modules))
 
 
 def test_the_task_independent_tests_exist() -> None:

@@ -30,6 +30,13 @@ def offline_wandb(monkeypatch: pytest.MonkeyPatch) -> None:
     """Log to local files only: tests need no account and no network."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+{%- elif cookiecutter.tracker == "mlflow" %}
+
+
+@pytest.fixture(autouse=True)
+def default_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store these tests read: <run.dir>/mlflow.db, which MLFLOW_TRACKING_URI would replace."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 {%- endif %}
 
 
@@ -43,6 +50,21 @@ def test_training_writes_to_the_tracker(tmp_path: Path) -> None:
     assert list((run_dir / "wandb").glob("offline-run-*"))
 {%- elif cookiecutter.tracker == "mlflow" %}
     assert _tracked_steps(run_dir, "train/loss") == [2, 4]
+{%- endif %}
+
+
+{%- if cookiecutter.tracker == "mlflow" %}
+
+
+def test_mlflow_tracking_uri_in_the_environment_replaces_the_run_directory_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = tmp_path / "shared.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}")
+    run_dir = tmp_path / "run"
+    assert main([*FAST, f"run.dir={run_dir}", "train.max_steps=2"]) == 0
+    assert store.is_file()
+    assert not (run_dir / "mlflow.db").exists()
 {%- endif %}
 
 

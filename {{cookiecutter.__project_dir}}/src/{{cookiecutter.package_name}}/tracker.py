@@ -67,12 +67,14 @@ class Tracker:
 {%- elif cookiecutter.tracker == "mlflow" -%}
 """MLflow run; resumed runs continue the same MLflow run.
 
-Without `tracker.tracking_uri`, runs are stored in the SQLite file `<run.dir>/mlflow.db`
-(view with `mlflow ui --backend-store-uri sqlite:///<run.dir>/mlflow.db`).
+The store is `tracker.tracking_uri`, else the MLFLOW_TRACKING_URI environment variable (as
+for any MLflow client), else the SQLite file `<run.dir>/mlflow.db` (view with
+`mlflow ui --backend-store-uri sqlite:///<run.dir>/mlflow.db`).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import mlflow
@@ -87,7 +89,8 @@ class Tracker:
 
     def __init__(self, config: Config, run_dir: Path) -> None:
         local_store = f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
-        mlflow.set_tracking_uri(config.tracker.tracking_uri or local_store)
+        environment = os.environ.get("MLFLOW_TRACKING_URI", "")
+        mlflow.set_tracking_uri(config.tracker.tracking_uri or environment or local_store)
         mlflow.set_experiment(config.tracker.project)
         id_file = run_dir / RUN_ID_FILE
         run_id = id_file.read_text().strip() if id_file.exists() else None
