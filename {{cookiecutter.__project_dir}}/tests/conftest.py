@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,3 +17,39 @@ from .helpers import FAST
 def fast_config(tmp_path: Path) -> Config:
     """A small config whose run directory lives in the test's tmp_path."""
     return load_config(None, [*FAST, f"run.dir={tmp_path / 'run'}"])
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """A real S3-compatible server (moto's) on a free port, for the whole session."""
+    pytest.importorskip("s3fs", reason="the s3 extra is not installed: pip install -e '.[s3]'")
+    server_module = pytest.importorskip(
+        "moto.server", reason="moto's S3 server is not installed: pip install 'moto[server]'"
+    )
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+#: A secret access key the tests look for in everything a run writes.
+S3_SECRET = "s3cr3t-never-written-anywhere"
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A bucket on the test server, with credentials in the environment only (inherited by
+    the processes a test starts). Returns its URL."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    if not fs.exists("runs"):
+        fs.mkdir("runs")
+    return "s3://runs"

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,3 +54,19 @@ def test_overhead_trains_the_same_weights_with_the_trainer_and_the_plain_loop(
         assert trainer > 0 and plain > 0
         assert record["ratios"][figure] == pytest.approx(trainer / plain)
     assert "final weights bitwise equal: yes" in result.stdout
+
+
+def test_checkpoint_stall_reports_the_pause_of_both_kinds_of_save_and_their_ratio(
+    tmp_path: Path,
+) -> None:
+    report = tmp_path / "stall.json"
+    command = [sys.executable, str(BENCHMARKS / "checkpoint_stall.py"), "--state-gb=0.05"]
+    command += ["--repeats=1", "--speed-s=0.1", f"--json={report}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(report.read_text())
+    assert record["state_bytes"] == pytest.approx(5e7, rel=0.1)
+    assert record["sync_save_s"] > 0 and record["async_stall_s"] > 0
+    assert record["stall_ratio"] == pytest.approx(record["async_stall_s"] / record["sync_save_s"])
+    assert record["steps_per_s_idle"] > 0 and record["steps_per_s_during_save"] > 0

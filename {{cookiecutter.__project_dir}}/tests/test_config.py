@@ -313,6 +313,17 @@ def test_unknown_nested_key_lists_the_valid_ones() -> None:
         load_config(None, ["task.encoder.dept=3"])
 
 
+def test_a_setting_named_by_a_python_keyword_is_read_written_and_listed_by_its_key() -> None:
+    """checkpoint.async is the field async_save; the field's name is not a key."""
+    config = load_config(None, ["checkpoint.async=true"])
+    assert config.checkpoint.async_save is True
+    assert config.to_dict()["checkpoint"]["async"] is True
+    assert from_dict(config.to_dict()) == config
+    assert "checkpoint.async" in [setting.key for setting in settings()]
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) checkpoint.async_save .*, async"):
+        load_config(None, ["checkpoint.async_save=true"])
+
+
 @pytest.mark.usefixtures("user_fields")
 def test_flatten_opens_nested_sections_but_not_dict_settings() -> None:
     """Names are those of the overrides; a dict setting is one value, as it is overridden."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset, DistributedSampler, TensorDataset
 
 from {{ cookiecutter.package_name }}.config import DataConfig
 from {{ cookiecutter.package_name }}.data import (
@@ -42,6 +42,18 @@ def test_train_shards_are_disjoint_equal_and_cover_the_data() -> None:
 def test_train_order_changes_between_epochs() -> None:
     """set_epoch reshuffles: the same rank sees a different order (and set) next epoch."""
     assert _shards(size=100, epoch=0) != _shards(size=100, epoch=1)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_the_order_is_that_of_torch_s_distributed_sampler(world_size: int) -> None:
+    """Checkpoints of earlier releases resume at the same sample: the order never changed."""
+    data = _dataset(103)
+    for rank in range(world_size):
+        ours = ResumableDistributedSampler(data, DistEnv(rank=rank, world_size=world_size), 7)
+        torch_s = DistributedSampler(data, world_size, rank, shuffle=True, seed=7, drop_last=True)
+        ours.set_epoch(2)
+        torch_s.set_epoch(2)
+        assert list(ours) == list(torch_s)
 
 
 def test_start_index_resumes_inside_the_epoch() -> None:

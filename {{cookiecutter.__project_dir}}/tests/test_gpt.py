@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from {{ cookiecutter.package_name }}.config import ConfigError, TaskConfig, load_config
+from {{ cookiecutter.package_name }}.prepare import main as prepare
+from {{ cookiecutter.package_name }}.shards import read_manifest
 from {{ cookiecutter.package_name }}.task import VOCAB_SIZE, Task, generate_text
 
 from .helpers import FAST, env_for, make_trainer, spawn
@@ -60,6 +62,33 @@ def test_a_text_too_short_for_the_windows_is_refused_with_the_fix(tmp_path: Path
     config = load_config(None, [*FAST, f"task.text_path={path}"])
     with pytest.raises(ConfigError, match=r"holds 0 windows.*Use a longer text"):
         Task(config.task, seed=0).build_datasets()
+
+
+def test_shards_and_a_text_file_together_are_refused_by_name(tmp_path: Path) -> None:
+    text = tmp_path / "text.txt"
+    text.write_text("some text")
+    with pytest.raises(ConfigError, match=r"task\.data_dir=.* and task\.text_path=.* set one"):
+        load_config(None, [f"task.data_dir={tmp_path}", f"task.text_path={text}"])
+
+
+def test_the_gpt_trains_on_prepared_shards_with_the_vocabulary_of_their_tokenizer(
+    tmp_path: Path,
+) -> None:
+    """A BPE tokenizer of 300 tokens trained on four files, one of them held out."""
+    for name in "abcd":
+        (tmp_path / "texts").mkdir(exist_ok=True)
+        (tmp_path / "texts" / f"{name}.txt").write_bytes(generate_text(8000, seed=ord(name)))
+    options = ["--train-tokenizer=300", "--eval-fraction=0.25", "--workers=1"]
+    assert prepare([str(tmp_path / "texts"), f"--output={tmp_path / 'shards'}", *options]) == 0
+    overrides = [f"task.data_dir={tmp_path / 'shards'}", "task.num_train_samples=0"]
+    overrides += ["task.num_eval_samples=64", "train.max_steps=6", f"run.dir={tmp_path / 'run'}"]
+    trainer = make_trainer(load_config(None, [*FAST, *overrides]))
+    vocab_size = read_manifest(tmp_path / "shards").vocab_size
+    assert trainer.model.token_embedding.num_embeddings == vocab_size > VOCAB_SIZE
+    before = trainer.evaluate()["loss"]
+    trainer.fit()
+    assert trainer.step == 6
+    assert trainer.evaluate()["loss"] < before
 
 
 def test_a_future_byte_does_not_change_the_logits_before_it(fast_task: Task) -> None:

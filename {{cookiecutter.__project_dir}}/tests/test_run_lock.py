@@ -129,13 +129,10 @@ def test_the_lock_of_a_process_gone_from_this_machine_is_taken_over_at_once(
         lock.release()
 
 
-def test_of_jobs_racing_for_one_dead_lock_exactly_one_wins(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Every contender has judged the lock dead before any of them replaces it."""
-    _plant(tmp_path, ELSEWHERE, age_s=6 * run_lock.HEARTBEAT_S + 5)
-    contenders = 8
-    all_judged = threading.Barrier(contenders, timeout=30)
+def race(locks: list[RunLock], monkeypatch: pytest.MonkeyPatch) -> dict[int, str]:
+    """Each lock acquired in a thread of its own, every one of them judging the holder before
+    any replaces it; returns "won" or the refusal's message, by index."""
+    all_judged = threading.Barrier(len(locks), timeout=30)
     judged = threading.local()
     is_dead = RunLock._is_dead
 
@@ -147,21 +144,31 @@ def test_of_jobs_racing_for_one_dead_lock_exactly_one_wins(
         return dead
 
     monkeypatch.setattr(RunLock, "_is_dead", judge_together)
-    locks = [RunLock(tmp_path) for _ in range(contenders)]
     outcomes: dict[int, str] = {}
 
     def contend(index: int) -> None:
         try:
             locks[index].acquire()
             outcomes[index] = "won"
-        except RunDirBusyError:
-            outcomes[index] = "refused"
+        except RunDirBusyError as error:
+            outcomes[index] = str(error)
 
-    threads = [threading.Thread(target=contend, args=(index,)) for index in range(contenders)]
+    threads = [threading.Thread(target=contend, args=(index,)) for index in range(len(locks))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    return outcomes
+
+
+def test_of_jobs_racing_for_one_dead_lock_exactly_one_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every contender has judged the lock dead before any of them replaces it."""
+    _plant(tmp_path, ELSEWHERE, age_s=6 * run_lock.HEARTBEAT_S + 5)
+    contenders = 8
+    locks = [RunLock(tmp_path) for _ in range(contenders)]
+    outcomes = race(locks, monkeypatch)
     winners = [index for index, outcome in outcomes.items() if outcome == "won"]
     try:
         assert len(winners) == 1, outcomes

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+{% if cookiecutter.tracker == "mlflow" -%}
+import os
+{% endif -%}
 from pathlib import Path
 {% if cookiecutter.tracker == "mlflow" %}
 import mlflow
@@ -30,13 +33,6 @@ def offline_wandb(monkeypatch: pytest.MonkeyPatch) -> None:
     """Log to local files only: tests need no account and no network."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-{%- elif cookiecutter.tracker == "mlflow" %}
-
-
-@pytest.fixture(autouse=True)
-def default_store(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The store these tests read: <run.dir>/mlflow.db, which MLFLOW_TRACKING_URI would replace."""
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 {%- endif %}
 
 
@@ -56,15 +52,17 @@ def test_training_writes_to_the_tracker(tmp_path: Path) -> None:
 {%- if cookiecutter.tracker == "mlflow" %}
 
 
-def test_mlflow_tracking_uri_in_the_environment_replaces_the_run_directory_store(
+def test_the_mlflow_store_is_mlflow_tracking_uri_else_one_in_the_run_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = tmp_path / "shared.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}")
-    run_dir = tmp_path / "run"
-    assert main([*FAST, f"run.dir={run_dir}", "train.max_steps=2"]) == 0
+    assert main([*FAST, f"run.dir={tmp_path / 'shared'}", "train.max_steps=2"]) == 0
     assert store.is_file()
-    assert not (run_dir / "mlflow.db").exists()
+    assert not (tmp_path / "shared" / "mlflow.db").exists()
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert main([*FAST, f"run.dir={tmp_path / 'own'}", "train.max_steps=2"]) == 0
+    assert (tmp_path / "own" / "mlflow.db").is_file()
 {%- endif %}
 
 
@@ -132,7 +130,8 @@ def _tracked_steps(run_dir: Path, name: str) -> list[int]:
 
 
 def _tracked_steps(run_dir: Path, name: str) -> list[int]:
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
+    local_store = f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+    client = mlflow.MlflowClient(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI", local_store))
     history = client.get_metric_history((run_dir / "mlflow_run_id").read_text(), name)
     return sorted(point.step for point in history)
 {%- endif %}

@@ -28,12 +28,23 @@ go on to the previous one together; what each case does:
 
 Checkpoints that exist but of which none can be used never lead to a silent start at step 0:
 NoUsableCheckpointError lists them, and the caller refuses or starts over as configured.
+
+On an object store (`run.dir=s3://...`, storage.py) nothing can be renamed: a checkpoint's files
+are written under its own name (after the leftovers of an earlier save of that step are
+removed), and `COMPLETE`, written last, commits it; a checkpoint without it is never listed nor
+loaded, and the next launch removes it. Loading verifies every file against COMPLETE as above;
+an error of the store's client (unreachable, access denied) is a read error, not damage. A
+damaged checkpoint is copied under its `.corrupt` name, then its COMPLETE and then its files are
+removed; pruning, too, removes a checkpoint's COMPLETE first. The run's metrics and logs, kept
+in a local directory, travel with each checkpoint (`run/`, restore_run_files).
 """
 
 from __future__ import annotations
 
 import errno
+import fnmatch
 import hashlib
+import io
 import json
 import logging
 import os
@@ -47,8 +58,12 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+from torch.distributed import ProcessGroup
 
 from .distributed import DistEnv, barrier, gather_objects
+from .logs import log_file_name
+from .metrics import RUN_FILES
+from .storage import Location, ObjectPath, local_dir_of, storage_of
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +77,8 @@ FORMAT_VERSION = 2
 #: What this version reads from state.pt and from a rank file without a default.
 REQUIRED_STATE_KEYS = ("model", "optimizer", "scheduler", "scaler", "step", "config")
 REQUIRED_RANK_KEYS = ("rng",)
+#: Where a checkpoint on an object store holds the run's metrics and logs (see save_checkpoint).
+RUN_FILES_DIR = "run"
 #: How long a rank waits to see the checkpoint rank 0 chose: NFS caches directory listings for
 #: up to a minute (acdirmax) by default.
 LISTING_WAIT_S = 90.0
@@ -100,7 +117,7 @@ class CheckpointSaveError(CheckpointError):
 class NoUsableCheckpointError(CheckpointError):
     """The run directory holds checkpoints, and none of them can continue the run."""
 
-    def __init__(self, message: str, incompatible: list[Path]) -> None:
+    def __init__(self, message: str, incompatible: list[Location]) -> None:
         super().__init__(message)
         #: Intact checkpoints of another format, left in place.
         self.incompatible = incompatible
@@ -111,7 +128,7 @@ class LoadedCheckpoint:
     """A checkpoint every rank could load: the replicated state, and this rank's own state when
     the checkpoint was written by as many ranks as this run has."""
 
-    path: Path
+    path: Location
     state: dict[str, Any]
     rank_state: dict[str, Any] | None
     world_size: int
@@ -119,10 +136,10 @@ class LoadedCheckpoint:
     format: int = FORMAT_VERSION
     #: Newer checkpoints of another format that the run goes on without: the caller sets
     #: them aside before the run's own saves could replace or prune them.
-    skipped: list[Path] = field(default_factory=list)
+    skipped: list[Location] = field(default_factory=list)
 
 
-def checkpoint_root(run_dir: Path) -> Path:
+def checkpoint_root(run_dir: Location) -> Location:
     return run_dir / "checkpoints"
 
 
@@ -147,7 +164,7 @@ def save_timeout_s(previous_write_s: float | None, ceiling_s: float) -> float:
 
 
 def save_checkpoint(
-    run_dir: Path,
+    run_dir: Location,
     step: int,
     state: dict[str, Any],
     rank_state: dict[str, Any],
@@ -156,7 +173,8 @@ def save_checkpoint(
     job: str | None = None,
     timeout_s: float | None = None,
     keep: Collection[str] = (),
-) -> Path:
+    group: ProcessGroup | None = None,
+) -> Location:
     """Write a checkpoint collectively: every rank must call this at the same step.
 
     Rank 0 checks the free space and creates the staging directory, every rank writes its own
@@ -166,25 +184,40 @@ def save_checkpoint(
     (naming a rank that does not arrive) and share their errors: no collective runs inside a
     rank-0-only branch, and a failure anywhere fails the save everywhere. Raises
     CheckpointSaveError. `job` names the staging directory (default: this process, which is
-    right for a single process only: ranks must pass the same name).
+    right for a single process only: ranks must pass the same name). `group` is the gloo group
+    its waits and exchanges run on (default: the control group); a save in the background
+    passes its own (background_save.py).
+
+    On an object store (no rename) the files are written under the checkpoint's own name, after
+    what an earlier save of the same step left there is removed, and COMPLETE, written last, is
+    the commit point. Each rank also copies its files of the run's local part (metrics.jsonl,
+    its log) under `run/` in the checkpoint: a run resumed on another node continues them.
     """
     job = job or new_job_token()
     root = checkpoint_root(run_dir)
+    store = storage_of(root)
     final = root / f"step_{step:08d}"
-    staging = _staging(root, step, job)
+    staging = _staging(root, step, job) if store.renames else final
     previous = latest_checkpoint(run_dir) if env.is_main else None
-    phase = _SavePhase(env, final, staging, previous, timeout_s)
+    phase = _SavePhase(env, final, staging, previous, timeout_s, group)
 
     def prepare() -> None:
         if previous is not None:
             _require_room(root, checkpoint_size(previous))
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
+        store.remove_tree(staging, first=COMPLETE_MARKER)
+        store.make_dirs(staging)
+
+    def write_own_files() -> None:
+        _atomic_save(rank_state, staging / rank_file(env.rank))
+        if isinstance(run_dir, ObjectPath):
+            _upload_run_files(local_dir_of(run_dir), staging, env.rank)
 
     def publish() -> None:
         files = {STATE_FILE: _atomic_save(state, staging / STATE_FILE)}
-        for rank in range(env.world_size):
-            files[rank_file(rank)] = _digest(staging / rank_file(rank))
+        names = [rank_file(rank) for rank in range(env.world_size)]
+        names += [f"{RUN_FILES_DIR}/{name}" for name in store.names(staging / RUN_FILES_DIR)]
+        for name in names:
+            files[name] = _digest(staging / name)
         marker = {
             "format": FORMAT_VERSION,
             "step": step,
@@ -192,14 +225,12 @@ def save_checkpoint(
             "files": files,
         }
         atomic_write_text(staging / COMPLETE_MARKER, json.dumps(marker, indent=2) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging, final)
-        fsync_dir(root)
+        store.publish(staging, final)
+        phase.committed = True
         prune_checkpoints(run_dir, keep_last, job, keep)
 
     phase.run(prepare if env.is_main else None)
-    phase.run(lambda: _atomic_save(rank_state, staging / rank_file(env.rank)))
+    phase.run(write_own_files)
     phase.run(publish if env.is_main else None)
     return final
 
@@ -212,13 +243,17 @@ class _SavePhase:
     def __init__(
         self,
         env: DistEnv,
-        final: Path,
-        staging: Path,
-        previous: Path | None,
+        final: Location,
+        staging: Location,
+        previous: Location | None,
         timeout_s: float | None,
+        group: ProcessGroup | None = None,
     ) -> None:
         self.env, self.final, self.staging = env, final, staging
-        self.previous, self.timeout_s = previous, timeout_s
+        self.previous, self.timeout_s, self.group = previous, timeout_s, group
+        #: Set once the checkpoint is in place: on an object store, where the staging is the
+        #: checkpoint itself, a failure after that point must not remove it.
+        self.committed = False
 
     def run(self, part: Callable[[], object] | None) -> None:
         error = None
@@ -228,7 +263,7 @@ class _SavePhase:
         except OSError as caught:
             error = f"rank {self.env.rank}: {caught}"
         try:
-            barrier(self.timeout_s)
+            barrier(self.timeout_s, self.group)
         except RuntimeError as late:
             self._remove_staging()
             waited = (
@@ -240,68 +275,73 @@ class _SavePhase:
                 "(a file system that stopped answering, a stuck process); earlier checkpoints "
                 "are intact, and a relaunch resumes the newest of them."
             ) from late
-        errors = [message for message in gather_objects(error) if message]
+        errors = [message for message in gather_objects(error, self.group) if message]
         if not errors:
             return
         message = self._failure(errors) if self.env.is_main else None
-        raise CheckpointSaveError(gather_objects(message)[0])
+        raise CheckpointSaveError(gather_objects(message, self.group)[0])
 
     def _failure(self, errors: list[str]) -> str:
-        """Rank 0: remove the staging directory and say what was written and what is free."""
-        written = _tree_size(self.staging)
+        """Rank 0: remove the staging directory and say what was written and what is free, as
+        far as the storage answers (an object store out of reach answers nothing)."""
+        store = storage_of(self.staging)
+        written = _measured(store.tree_size, self.staging)
         self._remove_staging()
         root = self.final.parent
-        free = shutil.disk_usage(root).free
+        free = _measured(store.free_space, root)
         needed = "there is no previous checkpoint to compare with"
         if self.previous is not None:
-            size = _amount(checkpoint_size(self.previous))
-            needed = f"the previous checkpoint, {self.previous.name}, takes {size}"
+            size = _measured(checkpoint_size, self.previous)
+            takes = "an unknown size (it could not be measured)" if size is None else _amount(size)
+            needed = f"the previous checkpoint, {self.previous.name}, takes {takes}"
         wrote = f"{_amount(written)} of it had been written, " if written else ""
+        room = f", and {_amount(free)} are free in {root}" if free is not None else ""
         return (
-            f"cannot save checkpoint {self.final.name} ({'; '.join(errors)}): {wrote}{needed}, "
-            f"and {_amount(free)} are free in {root}. The staging directory is removed and the "
-            "earlier checkpoints are intact: free space (or lower checkpoint.keep_last, or move "
+            f"cannot save checkpoint {self.final.name} ({'; '.join(errors)}): {wrote}{needed}"
+            f"{room}. The staging directory is removed and the earlier checkpoints are intact: "
+            "free space (or lower checkpoint.keep_last, or move "
             "run.dir), then launch again to continue from the newest of them."
         )
 
     def _remove_staging(self) -> None:
-        if self.env.is_main:
-            shutil.rmtree(self.staging, ignore_errors=True)
+        if self.env.is_main and not self.committed:
+            try:
+                storage_of(self.staging).remove_tree(self.staging, first=COMPLETE_MARKER)
+            except OSError as error:  # never incomplete: it is not loaded, a later save removes it
+                log.warning("cannot remove the unfinished checkpoint %s: %s", self.staging, error)
 
 
-def complete_checkpoints(run_dir: Path) -> list[Path]:
+def complete_checkpoints(run_dir: Location) -> list[Location]:
     """Complete checkpoints, oldest first. Directories without the marker are ignored."""
     root = checkpoint_root(run_dir)
-    if not root.is_dir():
-        return []
+    store = storage_of(root)
     found = [
-        path
-        for path in root.iterdir()
-        if _CHECKPOINT_NAME.match(path.name) and (path / COMPLETE_MARKER).is_file()
+        root / name
+        for name in store.names(root)
+        if _CHECKPOINT_NAME.match(name) and store.is_file(root / name / COMPLETE_MARKER)
     ]
     return sorted(found, key=lambda path: path.name)
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
+def latest_checkpoint(run_dir: Location) -> Location | None:
     """The newest complete checkpoint (not yet verified), or None for a fresh run."""
     checkpoints = complete_checkpoints(run_dir)
     return checkpoints[-1] if checkpoints else None
 
 
-def set_aside_checkpoints(run_dir: Path) -> list[Path]:
+def set_aside_checkpoints(run_dir: Location) -> list[Location]:
     """Checkpoints moved aside as damaged or of another format, by name."""
     root = checkpoint_root(run_dir)
-    if not root.is_dir():
-        return []
-    return sorted(path for path in root.iterdir() if _SET_ASIDE_NAME.match(path.name))
+    names = storage_of(root).names(root)
+    return sorted(root / name for name in names if _SET_ASIDE_NAME.match(name))
 
 
-def checkpoint_size(path: Path) -> int:
+def checkpoint_size(path: Location) -> int:
     """Bytes of the files of one checkpoint directory."""
-    return _tree_size(path)
+    return storage_of(path).tree_size(path)
 
 
-def room_warning(run_dir: Path, keep_last: int) -> str | None:
+def room_warning(run_dir: Location, keep_last: int) -> str | None:
     """A warning when the run directory's file system cannot hold `keep_last` + 1 checkpoints
     (the peak: a new one is complete before the oldest is pruned), estimated from the newest."""
     newest = latest_checkpoint(run_dir)
@@ -310,8 +350,8 @@ def room_warning(run_dir: Path, keep_last: int) -> str | None:
     size = checkpoint_size(newest)
     held = sum(checkpoint_size(path) for path in complete_checkpoints(run_dir))
     needed = (keep_last + 1) * size - held
-    free = shutil.disk_usage(checkpoint_root(run_dir)).free
-    if free >= needed:
+    free = storage_of(newest).free_space(checkpoint_root(run_dir))
+    if free is None or free >= needed:
         return None
     return (
         f"{checkpoint_root(run_dir)} has {_amount(free)} free, but checkpoint.keep_last="
@@ -321,7 +361,7 @@ def room_warning(run_dir: Path, keep_last: int) -> str | None:
     )
 
 
-def load_checkpoint(path: Path, rank: int, world_size: int) -> LoadedCheckpoint:
+def load_checkpoint(path: Location, rank: int, world_size: int) -> LoadedCheckpoint:
     """Verify and load one checkpoint on the CPU, with the safe unpickler.
 
     The rank file is loaded only when the checkpoint was written by `world_size` ranks: per-rank
@@ -332,7 +372,7 @@ def load_checkpoint(path: Path, rank: int, world_size: int) -> LoadedCheckpoint:
     """
     marker_path = path / COMPLETE_MARKER
     try:
-        text = marker_path.read_text()
+        text = storage_of(marker_path).read_text(marker_path)
     except FileNotFoundError as error:
         raise CorruptCheckpointError(
             f"{path} has no {COMPLETE_MARKER} marker: it is incomplete and cannot be loaded"
@@ -371,7 +411,7 @@ def require_resumable(loaded: LoadedCheckpoint) -> None:
         _require_keys(loaded.rank_state, REQUIRED_RANK_KEYS, f"a rank file of {loaded.path.name}")
 
 
-def load_newest_intact(run_dir: Path, env: DistEnv) -> LoadedCheckpoint | None:
+def load_newest_intact(run_dir: Location, env: DistEnv) -> LoadedCheckpoint | None:
     """The newest checkpoint that every rank can load, or None when the run has none.
 
     A collective. Rank 0 lists the checkpoints, and every rank tries the ones it names, newest
@@ -380,16 +420,25 @@ def load_newest_intact(run_dir: Path, env: DistEnv) -> LoadedCheckpoint | None:
     Raises CheckpointReadError when a rank cannot read or see one for a reason other than
     damage, and NoUsableCheckpointError when checkpoints exist and none can be used.
     """
-    listing = None
+    listing: tuple[list[str], list[str]] | str | None = None
     if env.is_main:
-        listing = (
-            [path.name for path in reversed(complete_checkpoints(run_dir))],
-            [path.name for path in set_aside_checkpoints(run_dir)],
+        try:
+            listing = (
+                [path.name for path in reversed(complete_checkpoints(run_dir))],
+                [path.name for path in set_aside_checkpoints(run_dir)],
+            )
+        except OSError as error:  # an object store out of reach, a permission refused
+            listing = f"cannot list {checkpoint_root(run_dir)}: {error}"
+    shared = gather_objects(listing)[0]
+    if isinstance(shared, str):
+        raise CheckpointReadError(
+            f"{shared}. Nothing was changed: fix the cause (for an object store: the endpoint, "
+            "the network, the credentials in the environment) and launch again."
         )
-    names, earlier = gather_objects(listing)[0]
+    names, earlier = shared
     root = checkpoint_root(run_dir)
     unusable: list[str] = []
-    incompatible: list[Path] = []
+    incompatible: list[Location] = []
     for name in names:
         path = root / name
         loaded, kind, reason = _try_load(path, run_dir, env)
@@ -428,7 +477,7 @@ def load_newest_intact(run_dir: Path, env: DistEnv) -> LoadedCheckpoint | None:
     )
 
 
-def _set_aside_on_rank_0(path: Path, env: DistEnv) -> str:
+def _set_aside_on_rank_0(path: Location, env: DistEnv) -> str:
     """Rank 0 moves a damaged checkpoint aside; every rank learns its new name, or the error
     that stopped the move (then the job ends on every rank: nothing else was changed)."""
     moved: tuple[str, str] | None = None
@@ -443,49 +492,76 @@ def _set_aside_on_rank_0(path: Path, env: DistEnv) -> str:
     return text
 
 
-def set_aside(path: Path, suffix: str) -> Path:
-    """Move a checkpoint out of the way under `name + suffix` (with -2, -3, ... when taken)."""
+def set_aside(path: Location, suffix: str) -> Location:
+    """Move a checkpoint out of the way under `name + suffix` (with -2, -3, ... when taken).
+
+    On an object store, a copy under the new name, then the removal of the original's COMPLETE
+    and then of its files: a move cut short leaves the original whole, or incomplete (never
+    listed), and a later launch moves it again or a save of its step replaces it.
+    """
+    store = storage_of(path)
     aside = path.with_name(path.name + suffix)
     number = 1
-    while aside.exists():
+    while store.exists(aside):
         number += 1
         aside = path.with_name(f"{path.name}{suffix}-{number}")
-    os.rename(path, aside)
+    store.move(path, aside, first=COMPLETE_MARKER)
     return aside
 
 
-def prune_checkpoints(run_dir: Path, keep_last: int, job: str, keep: Collection[str] = ()) -> None:
+def prune_checkpoints(
+    run_dir: Location, keep_last: int, job: str, keep: Collection[str] = ()
+) -> None:
     """Keep the newest `keep_last` complete checkpoints and those named in `keep`; drop older
-    ones and this job's abandoned staging (another job's may be a save in flight)."""
+    ones (COMPLETE first) and this job's abandoned staging (another job's may be a save in
+    flight)."""
     root = checkpoint_root(run_dir)
+    store = storage_of(root)
     for old in complete_checkpoints(run_dir)[:-keep_last]:
         if old.name not in keep:
             try:
-                shutil.rmtree(old)
+                store.remove_tree(old, first=COMPLETE_MARKER)
             except OSError as error:  # the new checkpoint is safe: not a reason to stop
                 log.warning("cannot remove the old checkpoint %s: %s", old, error)
-    for leftover in root.glob(f".step_*.{job}.tmp"):
-        shutil.rmtree(leftover, ignore_errors=True)
+    for name in store.names(root):
+        if fnmatch.fnmatch(name, f".step_*.{job}.tmp"):
+            store.remove_tree(root / name)
 
 
-def remove_foreign_staging(run_dir: Path, job: str) -> list[Path]:
-    """Remove the staging directories other jobs left (a save they never finished); call only
-    when no other job can be running in `run_dir`. Returns what was removed."""
+def remove_foreign_staging(run_dir: Location, job: str) -> list[Location]:
+    """Remove the saves other jobs left unfinished; call only when no other job can be running
+    in `run_dir`. Returns what was removed: staging directories, and on an object store the
+    checkpoints without COMPLETE (written under their own name)."""
     root = checkpoint_root(run_dir)
-    if not root.is_dir():
-        return []
-    foreign = [path for path in root.glob(".step_*.tmp") if not path.name.endswith(f".{job}.tmp")]
+    store = storage_of(root)
+    names = store.names(root)
+    if store.renames:
+        foreign = [
+            root / name
+            for name in names
+            if fnmatch.fnmatch(name, ".step_*.tmp") and not name.endswith(f".{job}.tmp")
+        ]
+    else:
+        complete = {path.name for path in complete_checkpoints(run_dir)}
+        foreign = [root / name for name in names if _CHECKPOINT_NAME.match(name)]
+        foreign = [path for path in foreign if path.name not in complete]
     for path in foreign:
-        shutil.rmtree(path, ignore_errors=True)
+        store.remove_tree(path)
     return foreign
 
 
 _USABLE, _DAMAGED, _INCOMPATIBLE, _FATAL = "usable", "damaged", "incompatible", "fatal"
 
 
-def _try_load(path: Path, run_dir: Path, env: DistEnv) -> tuple[LoadedCheckpoint | None, str, str]:
+def _try_load(
+    path: Location, run_dir: Location, env: DistEnv
+) -> tuple[LoadedCheckpoint | None, str, str]:
     """This rank's attempt at the checkpoint rank 0 chose: (loaded, outcome, reason)."""
-    if not env.is_main and not _wait_until_listed(run_dir, path.name):
+    try:
+        listed = env.is_main or _wait_until_listed(run_dir, path.name)
+    except OSError as error:
+        return None, _FATAL, f"cannot list {checkpoint_root(run_dir)}: {error}"
+    if not listed:
         return (
             None,
             _FATAL,
@@ -507,7 +583,7 @@ def _try_load(path: Path, run_dir: Path, env: DistEnv) -> tuple[LoadedCheckpoint
         return None, _FATAL, str(error)
 
 
-def _wait_until_listed(run_dir: Path, name: str) -> bool:
+def _wait_until_listed(run_dir: Location, name: str) -> bool:
     """Whether `name` appears among this rank's complete checkpoints within LISTING_WAIT_S,
     listing again (which refreshes a caching file system's view) every second."""
     deadline = time.monotonic() + LISTING_WAIT_S
@@ -518,14 +594,19 @@ def _wait_until_listed(run_dir: Path, name: str) -> bool:
     return True
 
 
-def _load_verified(path: Path, recorded: dict[str, Any] | list[str] | None) -> dict[str, Any]:
+def _load_verified(path: Location, recorded: dict[str, Any] | list[str] | None) -> dict[str, Any]:
     try:
-        if not path.is_file():
+        store = storage_of(path)
+        if not store.is_file(path):
             raise CorruptCheckpointError(f"{path.name} is missing")
         # Checkpoints from before checksums were recorded hold a plain list of names.
         expected = recorded.get(path.name) if isinstance(recorded, dict) else None
+        # A local file is read twice, to check and to load; an object is fetched once.
+        source: Path | io.BytesIO = path
+        if isinstance(path, ObjectPath):
+            source = io.BytesIO(store.read_bytes(path))
         if expected is not None:
-            found = _digest(path)
+            found = _digest(path) if isinstance(source, Path) else _hash(source.getvalue())
             if found["bytes"] != expected["bytes"]:
                 raise CorruptCheckpointError(
                     f"{path.name} has {found['bytes']} bytes, {expected['bytes']} were written"
@@ -535,7 +616,7 @@ def _load_verified(path: Path, recorded: dict[str, Any] | list[str] | None) -> d
                     f"{path.name} does not match its SHA-256 checksum: it changed after it was "
                     "saved"
                 )
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(source, map_location="cpu", weights_only=True)
     except CorruptCheckpointError:
         raise
     except (MemoryError, OSError) as error:
@@ -547,11 +628,11 @@ def _load_verified(path: Path, recorded: dict[str, Any] | list[str] | None) -> d
         raise CorruptCheckpointError(f"{path.name} cannot be loaded: {error}") from error
 
 
-def _read_error(path: Path, error: BaseException) -> CheckpointReadError:
+def _read_error(path: Location, error: BaseException) -> CheckpointReadError:
     return CheckpointReadError(
         f"cannot read {path}: {type(error).__name__}: {error}. This is an error of the machine "
-        "(memory, permissions, the file system), not damage to the checkpoint, which was left "
-        "as it is: fix the cause and launch again."
+        "(memory, permissions, the file system or object store), not damage to the checkpoint, "
+        "which was left as it is: fix the cause and launch again."
     )
 
 
@@ -564,21 +645,25 @@ def _require_keys(state: Any, required: tuple[str, ...], where: str) -> None:
         )
 
 
-def _require_room(root: Path, size: int) -> None:
-    if shutil.disk_usage(root).free < size:
+def _require_room(root: Location, size: int) -> None:
+    free = storage_of(root).free_space(root)
+    if free is not None and free < size:
         raise OSError(
             errno.ENOSPC, "not enough free space for another checkpoint; nothing was written"
         )
 
 
-def _staging(root: Path, step: int, job: str) -> Path:
+def _staging(root: Location, step: int, job: str) -> Location:
     return root / f".step_{step:08d}.{job}.tmp"
 
 
-def _tree_size(path: Path) -> int:
-    if not path.is_dir():
-        return 0
-    return sum(entry.stat().st_size for entry in path.iterdir() if entry.is_file())
+def _measured(size: Callable[[Any], int | None], path: Location) -> int | None:
+    """`size(path)`, or None when the storage cannot tell it: a failed save is described with
+    what could be measured, never replaced by a second error on rank 0 alone."""
+    try:
+        return size(path)
+    except OSError:
+        return None
 
 
 def _amount(size: int) -> str:
@@ -588,14 +673,18 @@ def _amount(size: int) -> str:
     return f"{size} bytes"
 
 
-def _digest(path: Path) -> dict[str, Any]:
+def _digest(path: Location) -> dict[str, Any]:
     digest = hashlib.sha256()
     size = 0
-    with open(path, "rb") as handle:
+    with storage_of(path).open_read(path) as handle:
         while chunk := handle.read(_CHUNK):
             digest.update(chunk)
             size += len(chunk)
     return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def _hash(data: bytes) -> dict[str, Any]:
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 class _HashingWriter:
@@ -623,10 +712,12 @@ class _HashingWriter:
         self.handle.flush()
 
 
-def _atomic_save(obj: Any, path: Path) -> dict[str, Any]:
-    """torch.save to a temporary name, fsync, rename; returns the file's size and checksum."""
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as handle:
+def _atomic_save(obj: Any, path: Location) -> dict[str, Any]:
+    """torch.save into `path` in one step (a temporary name, fsync and rename on a file
+    system; one upload to an object store); returns the file's size and checksum."""
+    written: dict[str, Any] = {}
+
+    def fill(handle: BinaryIO) -> None:
         writer = _HashingWriter(handle)
         try:
             torch.save(obj, writer)
@@ -634,26 +725,80 @@ def _atomic_save(obj: Any, path: Path) -> dict[str, Any]:
             if writer.error is not None:
                 raise writer.error from None
             raise
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    return {"bytes": writer.size, "sha256": writer.digest.hexdigest()}
+        written.update(bytes=writer.size, sha256=writer.digest.hexdigest())
+
+    storage_of(path).write(path, fill)
+    return written
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to a temporary name, fsync, rename: a reader sees all of it or none."""
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+def atomic_write_text(path: Location, text: str) -> None:
+    """Write `text` in one step: a reader sees all of it or none."""
+    storage_of(path).write_text(path, text)
 
 
-def fsync_dir(path: Path) -> None:
-    """Make the renames inside `path` durable (a crash could otherwise undo them)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _upload_run_files(local_dir: Path, checkpoint: ObjectPath, rank: int) -> None:
+    """Copy this rank's files of the run's local part (metrics.jsonl and the tracker's step on
+    rank 0, each rank's own log) under the checkpoint's `run/`."""
+    store = storage_of(checkpoint)
+    names = [*RUN_FILES, log_file_name(0)] if rank == 0 else [log_file_name(rank)]
+    for name in names:
+        if (local_dir / name).is_file():
+            with open(local_dir / name, "rb") as source:
+                store.write(
+                    checkpoint / RUN_FILES_DIR / name,
+                    lambda handle, source=source: shutil.copyfileobj(source, handle),
+                )
+
+
+def restore_run_files(run_dir: Location, rank: int) -> Location | None:
+    """On a run directory in an object store whose local part lacks them (a new node, an
+    empty run.local_dir): fetch this rank's metrics.jsonl and log from the newest complete
+    checkpoint, checked against its COMPLETE, so that the run continues them. Returns the
+    checkpoint they came from, or None when nothing was fetched.
+
+    Rank 0 also replaces local files whose metrics end before the checkpoint's copy (left on
+    this node by an earlier launch, since continued elsewhere). Call before logging starts. A
+    file that fails its checksum is left out, with a warning: the run goes on without it.
+    """
+    if not isinstance(run_dir, ObjectPath):
+        return None
+    local_dir = local_dir_of(run_dir)
+    newest = latest_checkpoint(run_dir)
+    if newest is None:
+        return None
+    store = storage_of(newest)
+    if rank == 0:
+        metrics = local_dir / RUN_FILES[0]
+        copy = newest / RUN_FILES_DIR / RUN_FILES[0]
+        if metrics.is_file() and (
+            not store.is_file(copy)
+            or _last_step(metrics.read_text()) >= _last_step(store.read_text(copy))
+        ):
+            return None
+        names = [*RUN_FILES, log_file_name(0)]
+    else:
+        names = [] if (local_dir / log_file_name(rank)).is_file() else [log_file_name(rank)]
+    recorded = json.loads(store.read_text(newest / COMPLETE_MARKER)).get("files", {})
+    local_dir.mkdir(parents=True, exist_ok=True)
+    fetched = False
+    for name in names:
+        expected = recorded.get(f"{RUN_FILES_DIR}/{name}")
+        if expected is None:
+            continue
+        data = store.read_bytes(newest / RUN_FILES_DIR / name)
+        if _hash(data) != expected:
+            log.warning("%s/%s/%s fails its checksum; not restored", newest, RUN_FILES_DIR, name)
+            continue
+        (local_dir / name).write_bytes(data)
+        fetched = True
+    return newest if fetched else None
+
+
+def _last_step(metrics: str) -> int:
+    """The step of the last whole record of metrics.jsonl's text (-1 when it has none)."""
+    for line in reversed(metrics.splitlines()):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return -1

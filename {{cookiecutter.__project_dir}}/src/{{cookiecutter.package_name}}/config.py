@@ -7,7 +7,8 @@ A setting is a field of one of the dataclasses below, with a type, a default and
 above it: its one-line help in `--help`. Types understood: bool, int, float, str, Path,
 `Literal[...]`, `enum.Enum` subclasses (written as their values), `X | None`, `list[X]`,
 `tuple[X, ...]` and fixed tuples, `dict[str, X]`, and dataclasses nested in a section (set as
-`task.encoder.depth=4`).
+`task.encoder.depth=4`). A setting's key is its field's name, or `metadata={"key": ...}` where
+the key cannot be a name (`checkpoint.async`: a Python keyword).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from typing import Any, Literal, NamedTuple, get_args, get_origin
 
 import yaml
 
+from .storage import is_url, url_problem
+
 
 class ConfigError(ValueError):
     """A configuration value is unknown, of the wrong type or out of range."""
@@ -36,8 +39,12 @@ class ConfigError(ValueError):
 class RunConfig:
     """Where the run lives. The same directory on a second launch means: resume."""
 
-    #: Checkpoints, logs and metrics of the run; the same directory again resumes it.
+    #: Checkpoints, logs and metrics of the run; the same directory again resumes it. A URL
+    #: (s3://BUCKET/PREFIX, gs://BUCKET/PREFIX) puts the checkpoints in an object store.
     dir: str = "runs/default"
+    #: With a run.dir URL: the local directory of logs, metrics and the lock
+    #: (empty: runs/SCHEME/BUCKET/PREFIX in the working directory).
+    local_dir: str = ""
     #: Seeds the initial weights, the data order and every random stream.
     seed: int = 1234
 
@@ -79,9 +86,12 @@ class TaskConfig:
 
     `text_path`: the file to learn, read as bytes; empty: a text of `generated_bytes` bytes
     generated from run.seed, so nothing is downloaded. Its first 90% trains, the rest evaluates,
-    in windows of `block_size` + 1 bytes. `num_train_samples` / `num_eval_samples` > 0 take only
-    that many windows of each part (quick runs); 0 takes them all. The defaults are a tiny model
-    that trains on a laptop CPU; configs/gpt-small.yaml and configs/gpt2-124m.yaml are bigger.
+    in windows of `block_size` + 1 bytes. `data_dir`: instead of a text, a directory of token
+    shards written by the prepare command (prepare.py), of any size, read window by window:
+    their train and eval splits are the two parts, their manifest gives the vocabulary size.
+    `num_train_samples` / `num_eval_samples` > 0 take only that many windows of each part (quick
+    runs); 0 takes them all. The defaults are a tiny model that trains on a laptop CPU;
+    configs/gpt-small.yaml and configs/gpt2-124m.yaml are bigger.
 
     This class is the one part of config.py that belongs to the task: its fields become the
     `task.*` settings, and `validate()` checks them (called after the shared sections' checks).
@@ -89,6 +99,8 @@ class TaskConfig:
 
     #: The text file to learn; empty: a generated text.
     text_path: str = ""
+    #: A directory of token shards made by the prepare command; empty: text_path's text.
+    data_dir: str = ""
     #: Bytes of generated text, when text_path is empty.
     generated_bytes: int = 1_000_000
     #: Training windows to take (quick runs); 0 takes them all.
@@ -125,6 +137,17 @@ class TaskConfig:
             raise ConfigError(
                 f"task.text_path={self.text_path} is not a file. Give the path of a text file to "
                 "train on, or leave task.text_path empty to train on a generated text."
+            )
+        if self.data_dir and self.text_path:
+            raise ConfigError(
+                f"task.data_dir={self.data_dir} and task.text_path={self.text_path} both name "
+                "the data: set one of them (prepare the text file into shards to use data_dir)"
+            )
+        if self.data_dir and not (Path(self.data_dir) / "manifest.json").is_file():
+            raise ConfigError(
+                f"task.data_dir={self.data_dir} holds no manifest.json: prepare the corpus into "
+                f"it first (python -m {__package__}.prepare SOURCE... --output {self.data_dir}), "
+                "or leave task.data_dir empty."
             )
 {%- endif %}
 
@@ -234,6 +257,10 @@ class CheckpointConfig:
     checkpoint and exit (a second Ctrl-C exits at once); see
     stopping.py for the exit statuses. The ranks compare notes about every `stop_check_s` seconds
     of training (0: after every step), so a stop comes about 2 x stop_check_s after the signal.
+    `async` (the field `async_save`: `async` is a Python keyword): a scheduled save copies the
+    state to host memory, the only pause, and a background thread writes it while training
+    goes on (background_save.py). It costs a second copy of the state in host memory; the
+    saves of a stop and of an early stop stay synchronous.
     """
 
     #: Save a checkpoint every that many optimizer steps.
@@ -250,6 +277,8 @@ class CheckpointConfig:
     stop_check_s: float = 1.0
     #: At the end of training, write the weights as safetensors to <run.dir>/export.
     export: bool = True
+    #: Write scheduled checkpoints in the background; training pauses only to copy the state.
+    async_save: bool = field(default=False, metadata={"key": "async"})
 
 
 @dataclass
@@ -374,7 +403,7 @@ class TrackerConfig:
     project: str = {{ cookiecutter.project_slug | python_string }}
 {%- endif %}
 {%- if cookiecutter.tracker == "mlflow" %}
-    #: MLflow tracking server or store; empty: <run.dir>/mlflow.db.
+    #: MLflow tracking server or store; empty: MLFLOW_TRACKING_URI, else <run.dir>/mlflow.db.
     tracking_uri: str = ""
 {%- endif %}
 {%- endif %}
@@ -455,6 +484,13 @@ def settings() -> list[Setting]:
 def validate(config: Config) -> None:
     """Range checks that types alone cannot express: the shared sections', then the task's own
     (`TaskConfig.validate`, when it has one)."""
+    if is_url(config.run.dir) and (problem := url_problem(config.run.dir)):
+        raise ConfigError(problem)
+    if config.run.local_dir and not is_url(config.run.dir):
+        raise ConfigError(
+            f"run.local_dir={config.run.local_dir} is for a run.dir on an object store; with "
+            f"run.dir={config.run.dir}, logs and metrics are in run.dir itself: drop run.local_dir"
+        )
     positive = {
         "train.global_batch_size": config.train.global_batch_size,
         "train.micro_batch_size": config.train.micro_batch_size,
@@ -594,18 +630,23 @@ def _build(base: Any, values: Any, prefix: str) -> Any:
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {values!r}")
     hints = typing.get_type_hints(type(base))
-    names = [f.name for f in dataclasses.fields(base) if f.init]
+    names = {_key(f): f.name for f in dataclasses.fields(base) if f.init}
     unknown = sorted(set(values) - set(names))
     if unknown:
         where = prefix.rstrip(".") or "top level"
         keys = ", ".join(prefix + str(key) for key in unknown)
         raise ConfigError(f"unknown key(s) {keys} in {where}; valid keys: {', '.join(names)}")
     changes = {
-        name: _coerce(values[name], hints[name], prefix + name, getattr(base, name))
-        for name in names
-        if name in values
+        name: _coerce(values[key], hints[name], prefix + key, getattr(base, name))
+        for key, name in names.items()
+        if key in values
     }
     return dataclasses.replace(base, **changes)
+
+
+def _key(setting: dataclasses.Field) -> str:
+    """The key of a setting in YAML and overrides: its field's name unless its metadata says."""
+    return setting.metadata.get("key", setting.name)
 
 
 def _coerce(value: Any, hint: Any, key: str, current: Any = None) -> Any:
@@ -677,7 +718,7 @@ def _coerce(value: Any, hint: Any, key: str, current: Any = None) -> Any:
 def _plain(value: Any) -> Any:
     """`value` as YAML and JSON hold it: dicts, lists, strings, numbers, booleans and null."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {_key(f): _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, dict):
         return {_plain(key): _plain(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
@@ -706,7 +747,7 @@ def _settings(section: Any, prefix: str) -> list[Setting]:
     described = _descriptions(type(section))
     found: list[Setting] = []
     for f in dataclasses.fields(section):
-        value, key = getattr(section, f.name), prefix + f.name
+        value, key = getattr(section, f.name), prefix + _key(f)
         if dataclasses.is_dataclass(value):
             found += _settings(value, f"{key}.")
         else:

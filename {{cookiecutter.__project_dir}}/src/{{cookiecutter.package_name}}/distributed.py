@@ -274,17 +274,19 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def barrier(timeout_s: float | None = None) -> None:
+def barrier(timeout_s: float | None = None, group: dist.ProcessGroup | None = None) -> None:
     """Wait for every rank, for up to `timeout_s` (default `dist.barrier_timeout_s`); a no-op
     for a single process. With `timeout_s`, a rank that does not arrive in time is named in the
-    error (a monitored barrier on the gloo control group)."""
+    error (a monitored barrier). `group` (a gloo group) defaults to the control group; a save
+    in the background passes its own, so that its waits never interleave with training's."""
     if not is_distributed():
         return
+    group = group or _control_group
     if timeout_s is None:
-        dist.barrier(group=_control_group)
+        dist.barrier(group=group)
     else:
         dist.monitored_barrier(
-            group=_control_group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True
+            group=group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True
         )
 
 
@@ -358,8 +360,9 @@ def gather_rows(values: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def gather_objects(value: Any) -> list[Any]:
-    """Every rank's picklable `value`, in rank order, through the control group (CPU).
+def gather_objects(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's picklable `value`, in rank order, through `group` (a gloo group; default:
+    the control group).
 
     A collective: every rank must call it at the same point. For small values, rarely: it
     pickles.
@@ -367,7 +370,7 @@ def gather_objects(value: Any) -> list[Any]:
     if not is_distributed():
         return [value]
     values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value, group=_control_group)
+    dist.all_gather_object(values, value, group=group or _control_group)
     return values
 
 

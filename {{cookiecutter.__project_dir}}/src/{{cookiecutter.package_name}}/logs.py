@@ -21,7 +21,7 @@ def setup_logging(rank: int, run_dir: Path) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
     formatter = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
     run_dir.mkdir(parents=True, exist_ok=True)
-    log_file = run_dir / ("train.log" if rank == 0 else f"train.rank{rank}.log")
+    log_file = run_dir / log_file_name(rank)
     handlers: list[logging.Handler] = [
         logging.StreamHandler(sys.stderr),
         logging.FileHandler(log_file, mode="a", delay=rank != 0),
@@ -34,6 +34,10 @@ def setup_logging(rank: int, run_dir: Path) -> None:
         handler.setFormatter(formatter)
         root.addHandler(handler)
     root.setLevel(level)
+
+
+def log_file_name(rank: int) -> str:
+    return "train.log" if rank == 0 else f"train.rank{rank}.log"
 
 
 class ProgressBar:

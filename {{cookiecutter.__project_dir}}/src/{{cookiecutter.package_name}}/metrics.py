@@ -29,6 +29,11 @@ from .tracker import Tracker
 METRICS_FILE = "metrics.jsonl"
 {%- if cookiecutter.tracker != "none" %}
 TRACKER_STEP_FILE = "tracker_step"
+#: What a run on an object store copies into each checkpoint, to continue on another node.
+RUN_FILES = (METRICS_FILE, TRACKER_STEP_FILE)
+{%- else %}
+#: What a run on an object store copies into each checkpoint, to continue on another node.
+RUN_FILES = (METRICS_FILE,)
 {%- endif %}
 
 
@@ -68,16 +73,21 @@ class MetricsLogger:
             self.held.append((step, dict(values)))
 {%- endif %}
 
-    def flush(self) -> None:
+    def flush(self, through: int | None = None) -> None:
 {%- if cookiecutter.tracker != "none" %}
-        """Send the records held back to the tracker; call once a checkpoint covers them."""
-        if self.tracker is None or not self.held:
+        """Send the records held back, up to step `through` (default: all of them), to the
+        tracker; call once a checkpoint covers them. A checkpoint written in the background
+        completes while later steps are logged: those stay held."""
+        if self.tracker is None:
             return
-        for step, values in self.held:
+        covered = [record for record in self.held if through is None or record[0] <= through]
+        if not covered:
+            return
+        for step, values in covered:
             if step > self.tracker_step:
                 self.tracker.log(step, values)
-        self.tracker_step = max(self.tracker_step, self.held[-1][0])
-        self.held = []
+        self.tracker_step = max(self.tracker_step, covered[-1][0])
+        self.held = self.held[len(covered) :]
         tmp = self.tracker_step_path.with_name(TRACKER_STEP_FILE + ".partial")
         tmp.write_text(f"{self.tracker_step}\n")
         os.replace(tmp, self.tracker_step_path)

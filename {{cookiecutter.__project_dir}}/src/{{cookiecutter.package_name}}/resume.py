@@ -40,6 +40,7 @@ APPLIED = {
 #: Settings that change where, whether or from what a run starts, not the run itself.
 NOT_COMPARED = {
     "run.dir",
+    "run.local_dir",
     "checkpoint.resume",
     "checkpoint.start_over_if_unusable",
     "init.weights",

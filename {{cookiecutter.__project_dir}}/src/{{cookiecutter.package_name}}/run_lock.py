@@ -5,19 +5,22 @@ would write the same checkpoints, append to the same metrics and prune each othe
 second job is refused instead (exit status 4 on every rank), with a message naming the first.
 
 The lock works on shared file systems (NFS, Lustre, GPFS), where flock() may do nothing or lock
-one host only. It is a file created in one step: a complete temporary file hard-linked to the
-name `LOCK` (the method open(2) gives for NFS), or an exclusive create where the file system
-has no hard links. It names its holder: host, pid, job id (Slurm's, else torchrun's run id),
-start time. A thread of the holder touches it every HEARTBEAT_S seconds; it is released on
-every way out of the job but a kill.
+one host only, and on object stores (run.dir=s3://...), where nodes share no file system at all.
+It is a file created in one step: a complete temporary file hard-linked to the name `LOCK` (the
+method open(2) gives for NFS), or an exclusive create where the file system has no hard links
+and on an object store (a conditional write, which the store refuses when the object exists).
+Its file operations go through storage.py. It names its holder: host, pid, job id (Slurm's,
+else torchrun's run id), start time. A thread of the holder touches it (on an object store:
+writes it again) every HEARTBEAT_S seconds; it is released on every way out of the job but a
+kill.
 
 A lock is a dead job's, and is taken over, when its heartbeat is older than STALE_BEATS
 periods, or at once when its holder ran on this machine (same boot, same pid namespace) and
-that process is gone. A live job's lock is never taken. Ages are read on the file system's own
-clock (the time it stamps on a file this job has just touched), so hosts need not agree on the
-time. A takeover begins with an exclusive create of `LOCK.takeover.<the dead lock's token>`:
-of the jobs racing for one dead lock, only the one that creates it replaces the lock, so
-exactly one of them wins.
+that process is gone. A live job's lock is never taken. Ages are read on the storage's own
+clock (the time it stamps on a file this job has just touched: an object's LastModified), so
+hosts need not agree on the time. A takeover begins with an exclusive create of
+`LOCK.takeover.<the dead lock's token>`: of the jobs racing for one dead lock, only the one that
+creates it replaces the lock, so exactly one of them wins.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from datetime import datetime
 from pathlib import Path
 
 from .distributed import DistEnv, all_ranks_agree
+from .storage import Location, Storage, storage_of
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +56,8 @@ _RETRY_S = 0.05
 
 
 class RunDirBusyError(RuntimeError):
-    """Another job, alive, holds the run directory."""
+    """This job cannot own the run directory: another job, alive, holds it, or its lock is out
+    of reach (an object store's endpoint, credentials)."""
 
 
 @dataclass(frozen=True)
@@ -112,10 +117,13 @@ class Holder:
 class RunLock:
     """The lock of one run directory, as held (or wanted) by this process."""
 
-    def __init__(self, run_dir: Path, heartbeat_s: float = HEARTBEAT_S) -> None:
+    def __init__(self, run_dir: Location, heartbeat_s: float = HEARTBEAT_S) -> None:
         self.run_dir = run_dir
         self.path = run_dir / LOCK_FILE
+        self.store: Storage = storage_of(run_dir)
         self.me = Holder.of_this_process(heartbeat_s)
+        #: What the lock file of this job holds.
+        self.record = (json.dumps(asdict(self.me)) + "\n").encode()
         #: The dead job whose lock this one replaced, for the log.
         self.replaced: tuple[Holder, float] | None = None
         self._stop = threading.Event()
@@ -123,17 +131,16 @@ class RunLock:
 
     def acquire(self) -> None:
         """Take the lock, or raise RunDirBusyError naming the job that holds it."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        candidate = self.run_dir / f".{LOCK_FILE}.{self.me.token}"
-        candidate.write_text(json.dumps(asdict(self.me)) + "\n")
+        self.store.make_dirs(self.run_dir)
+        candidate = self._write_candidate()
         waiting_since: float | None = None
         try:
             while not self._link(candidate):
-                found = _read(self.path)
+                found = _read(self.store, self.path)
                 if found is None:
                     continue  # released in the meantime: try again
                 holder, stamped = found
-                age = _file_system_now(candidate) - stamped
+                age = self._storage_now(candidate) - stamped
                 if self._is_dead(holder, age):
                     if self._take_over(holder, age, candidate):
                         break
@@ -148,7 +155,7 @@ class RunLock:
                     raise RunDirBusyError(self._refusal(holder, age))
                 time.sleep(min(1.0, holder.heartbeat_s / 2))
         finally:
-            candidate.unlink(missing_ok=True)
+            self.store.remove(candidate)
         self._heartbeat = threading.Thread(target=self._beat, name="run-dir-lock", daemon=True)
         self._heartbeat.start()
 
@@ -158,12 +165,30 @@ class RunLock:
         if self._heartbeat is not None:
             self._heartbeat.join()
             self._heartbeat = None
-            found = _read(self.path)
-            if found is not None and found[0].token == self.me.token:
-                self.path.unlink(missing_ok=True)
+            try:
+                found = _read(self.store, self.path)
+                if found is not None and found[0].token == self.me.token:
+                    self.store.remove(self.path)
+            except OSError as error:  # the job's own outcome stands; the lock goes stale
+                log.warning(
+                    "cannot release %s (%s): the next launch takes it over once its heartbeat "
+                    "is %.0f s old",
+                    self.path,
+                    error,
+                    self.me.stale_after_s,
+                )
 
-    def _link(self, candidate: Path) -> bool:
+    def _write_candidate(self) -> Location:
+        """A complete file of this job's record beside the lock: linked to the lock on a file
+        system, and on any storage the file whose time stamp tells the storage's time."""
+        candidate = self.run_dir / f".{LOCK_FILE}.{self.me.token}"
+        self.store.write(candidate, lambda handle: handle.write(self.record))
+        return candidate
+
+    def _link(self, candidate: Location) -> bool:
         """Create the lock from `candidate` in one step; False when a lock is there."""
+        if not isinstance(self.path, Path):
+            return self.store.create(self.path, self.record)  # an object appears whole
         try:
             os.link(candidate, self.path)
         except FileExistsError:
@@ -172,19 +197,7 @@ class RunLock:
             # NFS: the reply of a link that worked may be lost, and the retry fail.
             if os.stat(candidate).st_nlink == 2:
                 return True
-            return self._create_exclusively(candidate)
-        return True
-
-    def _create_exclusively(self, candidate: Path) -> bool:
-        """For file systems without hard links: an exclusive create, then the holder's record."""
-        try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(candidate.read_bytes())
-            handle.flush()
-            os.fsync(handle.fileno())
+            return self.store.create(self.path, self.record)  # no hard links here
         return True
 
     def _is_dead(self, holder: Holder, age: float) -> bool:
@@ -197,32 +210,28 @@ class RunLock:
         same_job = holder.job is not None and holder.job == self.me.job
         return same_job and holder.attempt < self.me.attempt
 
-    def _take_over(self, dead: Holder, age: float, candidate: Path) -> bool:
+    def _take_over(self, dead: Holder, age: float, candidate: Location) -> bool:
         """Replace `dead`'s lock with this job's; False when another job is, or was, faster.
 
         Only the job that creates the takeover file of `dead` may move its lock aside: no
         other job can then replace the lock while this one does.
         """
         claim = self.path.with_name(f"{LOCK_FILE}.takeover.{dead.token}")
-        try:
-            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-        except FileExistsError:
+        if not self.store.create(claim, self.record):
             # Another job takes it over now; or died doing so, long ago: then clear its claim.
-            found = _read(claim)
-            if found is not None and _file_system_now(candidate) - found[1] > dead.stale_after_s:
-                claim.unlink(missing_ok=True)
+            found = _read(self.store, claim)
+            if found is not None and self._storage_now(candidate) - found[1] > dead.stale_after_s:
+                self.store.remove(claim)
             return False
         try:
-            found = _read(self.path)
+            found = _read(self.store, self.path)
             if found is None or found[0].token != dead.token:
                 return False  # replaced or released since it was read
-            aside = self.path.with_name(f"{LOCK_FILE}.dead.{dead.token}")
-            os.replace(self.path, aside)
-            aside.unlink()
+            self.store.remove(self.path)
             if not self._link(candidate):
                 return False  # a job that found no lock at all took it meanwhile
         finally:
-            claim.unlink(missing_ok=True)
+            self.store.remove(claim)
         self.replaced = (dead, age)
         return True
 
@@ -246,16 +255,15 @@ class RunLock:
     def _refresh(self) -> None:
         """Touch the lock; take it back if it was removed; end the process if another job
         took it over (this one was silent for STALE_BEATS heartbeats, e.g. stopped)."""
-        found = _read(self.path)
+        found = _read(self.store, self.path)
         if found is None:
             log.warning("%s was removed while this job held it: taking it again", self.path)
-            candidate = self.run_dir / f".{LOCK_FILE}.{self.me.token}"
-            candidate.write_text(json.dumps(asdict(self.me)) + "\n")
+            candidate = self._write_candidate()
             try:
                 self._link(candidate)
             finally:
-                candidate.unlink(missing_ok=True)
-            found = _read(self.path)
+                self.store.remove(candidate)
+            found = _read(self.store, self.path)
         if found is not None and found[0].token != self.me.token:
             log.error(
                 "another job took %s over: %s. This job stops now, writing nothing more; that "
@@ -265,11 +273,16 @@ class RunLock:
             )
             logging.shutdown()
             os._exit(EXIT_RUN_DIR_BUSY)
-        os.utime(self.path)
+        self.store.touch(self.path, self.record)
+
+    def _storage_now(self, candidate: Location) -> float:
+        """The storage's time now: touch this job's candidate file and read its stamp."""
+        self.store.touch(candidate, self.record)
+        return self.store.modified(candidate)
 
 
 @contextmanager
-def owned_run_dir(run_dir: Path, env: DistEnv) -> Iterator[RunLock | None]:
+def owned_run_dir(run_dir: Location, env: DistEnv) -> Iterator[RunLock | None]:
     """Rank 0 takes the run directory's lock for the block; every rank learns whether it did.
 
     A collective, after the process group has started (a wait for a previous attempt of this
@@ -284,9 +297,16 @@ def owned_run_dir(run_dir: Path, env: DistEnv) -> Iterator[RunLock | None]:
                 lock.acquire()
             except RunDirBusyError as error:
                 refusal = error
+            except OSError as error:
+                refusal = RunDirBusyError(
+                    f"cannot take the lock {lock.path}: {error}. Check that the run directory "
+                    "can be written (for an object store: the endpoint, the network and the "
+                    "credentials in the environment), then launch again"
+                )
         if not all_ranks_agree(refusal is None):
             raise refusal or RunDirBusyError(
-                f"another job holds {run_dir / LOCK_FILE}; rank 0's message names it"
+                f"another job holds {run_dir / LOCK_FILE}, or it is out of reach; rank 0's "
+                "message names it"
             )
         yield lock
     finally:
@@ -294,24 +314,18 @@ def owned_run_dir(run_dir: Path, env: DistEnv) -> Iterator[RunLock | None]:
             lock.release()
 
 
-def _read(path: Path) -> tuple[Holder, float] | None:
+def _read(store: Storage, path: Location) -> tuple[Holder, float] | None:
     """The holder a lock file names and its modification time; None when there is no lock.
 
-    Opening the file makes an NFS client fetch its attributes afresh (close-to-open).
+    The content is read first (opening the file makes an NFS client fetch its attributes
+    afresh: close-to-open), its time after: a lock replaced in between looks younger than it
+    is, never older, so a live job's lock is never judged dead by a mismatch.
     """
     try:
-        fd = os.open(path, os.O_RDONLY)
+        data = store.read_bytes(path)
+        return Holder.parse(data), store.modified(path)
     except FileNotFoundError:
         return None
-    with os.fdopen(fd, "rb") as handle:
-        stamped = os.fstat(fd).st_mtime
-        return Holder.parse(handle.read()), stamped
-
-
-def _file_system_now(own_file: Path) -> float:
-    """The file system's time now: touch a file of this job's and read its stamp."""
-    os.utime(own_file)
-    return own_file.stat().st_mtime
 
 
 def _machine() -> str | None:

@@ -116,6 +116,7 @@ from torch.utils.data import Dataset
 from .config import ConfigError, TaskConfig
 from .contract import TaskBase
 from .gpt import GPT
+from .shards import TokenWindows, read_manifest
 
 #: Byte-level modelling: any file is a sequence of bytes 0-255, so no tokenizer is needed.
 VOCAB_SIZE = 256
@@ -191,7 +192,8 @@ def byte_windows(data: torch.Tensor, config: TaskConfig, wanted: int, part: str)
 
 
 class Task(TaskBase):
-    """Next-byte prediction on a text with a small GPT (gpt.py)."""
+    """Next-token prediction with a small GPT (gpt.py): on the bytes of a text, or on the
+    tokens of a shard directory made by the prepare command (`task.data_dir`)."""
 
     #: Throughput is reported in these units per second; one sample holds `units_per_sample`.
     throughput_unit = "tokens"
@@ -210,9 +212,12 @@ class Task(TaskBase):
         self.config = config
         self.seed = seed
         self.units_per_sample = config.block_size
+        self.vocab_size = (
+            read_manifest(config.data_dir).vocab_size if config.data_dir else VOCAB_SIZE
+        )
 
     def build_model(self) -> nn.Module:
-        return GPT(self.config, VOCAB_SIZE)
+        return GPT(self.config, self.vocab_size)
 
     def param_groups(self, model: nn.Module) -> list[dict]:
         """Weight decay on the matrices of the linear layers only, not on biases, LayerNorms
@@ -247,7 +252,14 @@ class Task(TaskBase):
         return float((6 * params + attention) * config.block_size)
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
-        """(train, eval) data sets: the first 90% of the text, and the rest."""
+        """(train, eval) data sets: the shards' two splits, read window by window; else the first
+        90% of the text, and the rest."""
+        config = self.config
+        if config.data_dir:
+            block, directory = config.block_size, config.data_dir
+            train = TokenWindows(directory, "train", block, config.num_train_samples)
+            evaluation = TokenWindows(directory, "eval", block, config.num_eval_samples)
+            return train, evaluation
         text = read_text(self.config, self.seed)
         split = len(text) * 9 // 10
         train = byte_windows(text[:split], self.config, self.config.num_train_samples, "train")

@@ -21,7 +21,12 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .checkpoint import CheckpointSaveError, new_job_token, remove_foreign_staging
+from .checkpoint import (
+    CheckpointSaveError,
+    new_job_token,
+    remove_foreign_staging,
+    restore_run_files,
+)
 from .config import Config, ConfigError, load_config, settings, to_yaml
 from .distributed import DistEnv, barrier, detect_env, process_group
 from .divergence import EXIT_DIVERGED, DivergenceError
@@ -31,6 +36,7 @@ from .parent_watch import launcher_watched
 from .resume import ResumeError, require_fresh_run_dir
 from .run_lock import EXIT_RUN_DIR_BUSY, RunDirBusyError, RunLock, owned_run_dir
 from .stopping import EXIT_INTERRUPTED, StopRequests
+from .storage import Location, ObjectPath, local_dir_of, run_location
 from .task import Task
 {%- if cookiecutter.tracker != "none" %}
 from .tracker import Tracker
@@ -93,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         print(to_yaml(config), end="")
         return 0
 
-    run_dir = Path(config.run.dir)
+    run_dir = run_location(config.run.dir, config.run.local_dir)
+    local_dir = local_dir_of(run_dir)
     # From here on a stop signal is recorded, not fatal: it is acted on once training can save.
     stop = StopRequests(config.checkpoint.stop_on_signals, config.checkpoint.stop_check_s)
     if not stop.enabled:
@@ -104,12 +111,15 @@ def main(argv: list[str] | None = None) -> int:
             launcher_watched(env),
             process_group(env, config.dist) as device,
             owned_run_dir(run_dir, env) as lock,
-            stop_deadline(stop, env, run_dir, config),
-            hangs_reported(run_dir, env, config.dist.timeout_s),
+            stop_deadline(stop, env, local_dir, config),
+            hangs_reported(local_dir, env, config.dist.timeout_s),
         ):
             # Nothing is written in the run directory before this job owns it: a job refused
             # leaves the holder's logs, metrics and checkpoints as they are.
-            setup_logging(env.rank, run_dir)
+            restored = _restore_run_files(run_dir, env)
+            setup_logging(env.rank, local_dir)
+            if isinstance(run_dir, ObjectPath) and env.is_main:
+                _announce_object_store(run_dir, restored)
             if lock is not None:
                 _clear_dead_job(lock, run_dir)
             return train(config, env, device, run_dir, stop)
@@ -134,7 +144,30 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
-def _clear_dead_job(lock: RunLock, run_dir: Path) -> None:
+def _restore_run_files(run_dir: Location, env: DistEnv) -> Location | None:
+    """Fetch the run's metrics and logs from the newest checkpoint where the local directory
+    lacks them (checkpoint.restore_run_files); an object store out of reach ends the job."""
+    try:
+        return restore_run_files(run_dir, env.rank)
+    except OSError as error:
+        raise ResumeError(
+            f"cannot read the checkpoints in {run_dir}: {error}. Check the endpoint, the "
+            "network and the credentials in the environment (AWS_ACCESS_KEY_ID, "
+            "AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL; GOOGLE_APPLICATION_CREDENTIALS), then "
+            "launch again"
+        ) from error
+
+
+def _announce_object_store(run_dir: ObjectPath, restored: Location | None) -> None:
+    log.info(
+        "run.dir %s is in an object store: logs and metrics are kept in %s (run.local_dir)%s",
+        run_dir,
+        local_dir_of(run_dir),
+        f"; continued the metrics and logs of {restored.name}" if restored else "",
+    )
+
+
+def _clear_dead_job(lock: RunLock, run_dir: Location) -> None:
     """Say whose lock was taken over, and remove the saves that job never finished (a full disk
     may have stopped it), before anything of the run directory is read."""
     if lock.replaced is not None:
@@ -145,24 +178,25 @@ def _clear_dead_job(lock: RunLock, run_dir: Path) -> None:
 
 
 def train(
-    config: Config, env: DistEnv, device: torch.device, run_dir: Path, stop: StopRequests
+    config: Config, env: DistEnv, device: torch.device, run_dir: Location, stop: StopRequests
 ) -> int:
     """Build the task and trainer, resume if a checkpoint exists, and train to the end.
 
     Returns the exit status (see stopping.py).
     """
     task = Task(config.task, seed=config.run.seed)
-    metrics = MetricsLogger(run_dir, is_main=env.is_main)
+    local_dir = local_dir_of(run_dir)
+    metrics = MetricsLogger(local_dir, is_main=env.is_main)
     trainer = Trainer(config, task, env, device, run_dir, metrics, stop)
     if not config.checkpoint.resume:
         require_fresh_run_dir(run_dir)
     if not (config.checkpoint.resume and trainer.resume()):
         trainer.start_fresh()
     if env.is_main:
-        (run_dir / "config.yaml").write_text(to_yaml(config))
+        (local_dir / "config.yaml").write_text(to_yaml(config))
 {%- if cookiecutter.tracker != "none" %}
         if config.tracker.enabled:
-            metrics.attach(Tracker(config, run_dir))
+            metrics.attach(Tracker(config, local_dir))
 {%- endif %}
     barrier()  # rank 0's set-up above may take a while; the others wait with the long timeout
     try:

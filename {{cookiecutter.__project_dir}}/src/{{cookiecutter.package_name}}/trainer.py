@@ -8,11 +8,12 @@ on every rank; gradients are all-reduced once, on the last of them.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import platform
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from pathlib import Path
@@ -26,10 +27,12 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from . import __version__, rng
+from .background_save import BackgroundSaver, CompletedSave
 from .best import BestCheckpoint
 from .checkpoint import (
     INCOMPATIBLE_SUFFIX,
     CheckpointReadError,
+    CheckpointSaveError,
     NoUsableCheckpointError,
     checkpoint_root,
     latest_checkpoint,
@@ -60,6 +63,7 @@ from .optimizer import build_optimizer, follow_settings, own_options
 from .profiling import StepProfiler
 from .resume import ResumeError, announce_world_size_change, changed_settings, check_changes
 from .stopping import StopRequests
+from .storage import Location, local_dir_of
 from .throughput import StepMeter, describe, peak_flops, window_figures
 from .weights import export_weights, load_initial_weights
 
@@ -124,7 +128,7 @@ class Trainer:
         task: object,
         env: DistEnv,
         device: torch.device,
-        run_dir: Path,
+        run_dir: Location,
         metrics: MetricsLogger,
         stop: StopRequests | None = None,
     ) -> None:
@@ -133,6 +137,8 @@ class Trainer:
         self.env = env
         self.device = device
         self.run_dir = run_dir
+        #: Logs, metrics, profiles, exports: run_dir itself, or its local part on an object store.
+        self.local_dir = local_dir_of(run_dir)
         self.metrics = metrics
         train = config.train
         self.micro_batch_size, self.accumulation_steps = batch_split(
@@ -145,6 +151,13 @@ class Trainer:
         self.job: str = gather_objects(new_job_token())[0]
         #: Seconds the previous save of this launch took: it bounds the waits of the next.
         self.last_save_s: float | None = None
+        #: checkpoint.async: the writer of scheduled saves, with its own gloo group (a
+        #: collective: every rank builds its Trainer at the same point).
+        self.background: BackgroundSaver | None = None
+        if checkpoint.async_save:
+            self.background = BackgroundSaver(
+                pin_memory=device.type == "cuda", timeout_s=config.dist.barrier_timeout_s
+            )
 
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = train.tf32
@@ -430,9 +443,12 @@ class Trainer:
             is_main = self.env.is_main
             show_bar = self.config.train.progress_bar and is_main
             progress = ProgressBar(self.step, self.total_steps, show_bar)
-            profiler = StepProfiler(self.config.profile, self.run_dir, self.device, is_main)
+            profiler = StepProfiler(self.config.profile, self.local_dir, self.device, is_main)
             try:
                 status = self._train_loop(progress, profiler)
+            except Exception:
+                self._wait_for_save_after_failure()
+                raise
             finally:
                 profiler.stop()
                 progress.close()
@@ -462,6 +478,7 @@ class Trainer:
                     self._save_once()
                     return self._stopped()
         self.stop.close()
+        self._save_once()  # the last step's checkpoint, complete
         log.info("training complete at step %d", self.step)
         if self.config.checkpoint.export:
             self.export()
@@ -483,6 +500,11 @@ class Trainer:
             self.config.train.mixed_precision,
             ", compiled" if self.config.train.compile else "",
         )
+        if self.background is not None:
+            log.info(
+                "checkpoint.async: checkpoints are written in the background; training pauses "
+                "only to copy the state to host memory"
+            )
 
     def _stopped(self) -> int:
         log.info(
@@ -498,6 +520,8 @@ class Trainer:
     def _periodic(self, epoch: int, grad_norm: torch.Tensor | None) -> None:
         """What runs between steps on schedule. Every rank takes the same branches."""
         config = self.config
+        if self.background is not None:
+            self.background.poll()
         if config.dist.check_replicas_every and self._due(config.dist.check_replicas_every):
             check_replicas(self.model, self.step)
         if self._due(config.train.log_every):
@@ -511,23 +535,35 @@ class Trainer:
             self.metrics.log(self.step, record)
             new_best = self.best.update(self.step, record)
         if new_best or self._due(config.checkpoint.every_steps):
-            self._save_once()
-        if new_best and self.env.is_main:
-            self.best.write(self.run_dir)
-            log.info(
-                "new %s: checkpoint %s is kept", self.best.describe(), self.best.checkpoint_name
-            )
+            self._save_once(scheduled=True)
 
-    def _save_once(self) -> None:
+    def _save_once(self, scheduled: bool = False) -> None:
         """Save this step, unless that is done (a stop or a new best at a scheduled save), once
-        every rank's record shows only finite values (divergence.py)."""
-        if self.saved_step == self.step:
-            return
-        models = [self.model] if self.ema is None else [self.model, self.ema.module]
-        self.guard.check_weights(self.step, models)
-        self._raise_if_diverged(gather_rows(self.guard.record()).cpu())
-        self.save()
-        self.saved_step = self.step
+        every rank's record shows only finite values (divergence.py).
+
+        A scheduled save is written in the background with checkpoint.async. The others (a
+        stop, an early stop, the end of training) are followed by the exit: they are written at
+        once, and return once this step's checkpoint is complete (one in flight included).
+        """
+        if self.saved_step != self.step:
+            models = [self.model] if self.ema is None else [self.model, self.ema.module]
+            self.guard.check_weights(self.step, models)
+            self._raise_if_diverged(gather_rows(self.guard.record()).cpu())
+            if scheduled and self.background is not None:
+                self.save_in_background()
+            else:
+                self.save()
+            self.saved_step = self.step
+        if not scheduled:
+            self.wait_for_save()
+
+    def _wait_for_save_after_failure(self) -> None:
+        """Training failed: finish the save in flight, whose state was checked before it was
+        taken, and say how it ended; the failure itself is raised by the caller."""
+        try:
+            self.wait_for_save()
+        except CheckpointSaveError as error:
+            log.error("%s", error)
 
     def _raise_if_diverged(self, guard_rows: torch.Tensor) -> None:
         newest = latest_checkpoint(self.run_dir)
@@ -603,7 +639,7 @@ class Trainer:
         meter = self.meter
         rate = self.total_units / max(meter.total_train_s, 1e-9)
         evals = [
-            (r["eval/loss"], r["step"]) for r in read_metrics(self.run_dir) if "eval/loss" in r
+            (r["eval/loss"], r["step"]) for r in read_metrics(self.local_dir) if "eval/loss" in r
         ]
         best = "no evaluation yet"
         if evals:
@@ -718,29 +754,88 @@ class Trainer:
     def save(self) -> Path:
         """Write a checkpoint of this step (a collective); its time is left out of throughput.
 
-        The ranks wait for each other around the save for dist.barrier_timeout_s the first time
-        in a launch, then for a bound from the previous save's write time (checkpoint.py), so
-        a rank hung in a save ends the job soon, named.
+        A save in the background still in flight is waited for first. The ranks wait for each
+        other around the save for dist.barrier_timeout_s the first time in a launch, then for a
+        bound from the previous save's write time (checkpoint.py), so a rank hung in a save ends
+        the job soon, named.
         """
         self.meter.pause()
+        write, done = self._checkpoint_writer()
         started = time.perf_counter()
-        best = self.best.checkpoint_name
-        path = save_checkpoint(
-            self.run_dir,
-            self.step,
-            self.state_dict(),
-            self.rank_state_dict(),
-            self.env,
-            keep_last=self.config.checkpoint.keep_last,
-            job=self.job,
-            timeout_s=save_timeout_s(self.last_save_s, self.config.dist.barrier_timeout_s),
-            keep=[best] if best else [],
-        )
-        self.last_save_s = time.perf_counter() - started
-        self.metrics.flush()  # the records up to this step may now reach the tracker
-        log.info("saved checkpoint %s, written in %.2f s", path, self.last_save_s)
+        path = write((self.state_dict(), self.rank_state_dict()))
+        done(CompletedSave(self.step, path, stall_s=0.0, write_s=time.perf_counter() - started))
         self.meter.resume()
         return path
+
+    def save_in_background(self) -> None:
+        """Copy this step's state to host memory and write its checkpoint in a thread while
+        training goes on (checkpoint.async; a collective). A save still in flight is waited for
+        first; what follows a complete checkpoint runs once it is (background_save.py)."""
+        if self.background is None:
+            raise RuntimeError("save_in_background needs checkpoint.async=true")
+        self.meter.pause()
+        write, done = self._checkpoint_writer(background=True)
+        states = (self.state_dict(), self.rank_state_dict())
+        self.background.start(self.step, states, write, done)
+        self.meter.resume()
+
+    def wait_for_save(self) -> None:
+        """Wait for the save in the background, if one is in flight, and finish it: raises
+        CheckpointSaveError when it failed (on every rank alike)."""
+        if self.background is not None:
+            self.background.wait()
+
+    def _checkpoint_writer(
+        self, background: bool = False
+    ) -> tuple[Callable[[tuple[dict, dict]], Path], Callable[[CompletedSave], None]]:
+        """(write, done) of a save of this step, after waiting for the save in flight: `write`
+        takes (state, rank state) and writes them, `done` follows a complete checkpoint."""
+        self.wait_for_save()  # at most one save in flight; last_save_s is then its write time
+        step, best = self.step, self.best.checkpoint_name
+        # A new best at this step: best.json names this checkpoint once it is complete, with
+        # the verdict as of this step (a later evaluation may find a newer best meanwhile).
+        kept_best = copy.copy(self.best) if self.best.step == step else None
+        timeout_s = save_timeout_s(self.last_save_s, self.config.dist.barrier_timeout_s)
+        group = None if self.background is None else self.background.group
+
+        def write(states: tuple[dict, dict]) -> Path:
+            return save_checkpoint(
+                self.run_dir,
+                step,
+                *states,
+                self.env,
+                keep_last=self.config.checkpoint.keep_last,
+                job=self.job,
+                timeout_s=timeout_s,
+                keep=[best] if best else [],
+                group=group,
+            )
+
+        return write, partial(self._saved, best=kept_best, background=background)
+
+    def _saved(
+        self, completed: CompletedSave, best: BestCheckpoint | None, background: bool
+    ) -> None:
+        """What follows a complete checkpoint: the records up to its step may reach the
+        tracker, and best.json may name it."""
+        self.last_save_s = completed.write_s
+        self.metrics.flush(through=completed.step)
+        if background:
+            # A stop waits for the save in flight, then saves: its deadline (watchdog.py),
+            # sized from the longest step, must cover a background write too.
+            self.stop.longest_step_s = max(self.stop.longest_step_s, completed.write_s)
+            log.info(
+                "saved checkpoint %s, written in %.2f s in the background (training paused "
+                "%.2f s to copy the state)",
+                completed.path,
+                completed.write_s,
+                completed.stall_s,
+            )
+        else:
+            log.info("saved checkpoint %s, written in %.2f s", completed.path, completed.write_s)
+        if best is not None and self.env.is_main:
+            best.write(self.run_dir)
+            log.info("new %s: checkpoint %s is kept", best.describe(), best.checkpoint_name)
 
     def resume(self) -> bool:
         """Continue from the newest checkpoint that every rank can load, if there is one.
@@ -857,9 +952,9 @@ class Trainer:
         if not self.env.is_main:
             return
         config_yaml = to_yaml(self.config)
-        path = export_weights(self.model, self.run_dir, config_yaml)
+        path = export_weights(self.model, self.local_dir, config_yaml)
         if self.ema is not None:
-            export_weights(self.ema.module, self.run_dir, config_yaml, name="model_ema")
+            export_weights(self.ema.module, self.local_dir, config_yaml, name="model_ema")
         log.info("exported the weights to %s", path.parent)
 
 

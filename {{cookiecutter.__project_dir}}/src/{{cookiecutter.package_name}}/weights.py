@@ -39,10 +39,10 @@ from .checkpoint import (
     atomic_write_text,
     checkpoint_root,
     complete_checkpoints,
-    fsync_dir,
     load_checkpoint,
 )
 from .config import ConfigError, load_config
+from .storage import fsync_dir
 from .task import Task
 
 log = logging.getLogger(__name__)
