@@ -13,7 +13,13 @@ OMP_NUM_THREADS=1) with the default task's MLP at micro-batch 32 in fp32:
    git commit REF (its render, with today's benchmarks/overhead.py copied in, which imports
    the modules of the Task contract: REF must have them, from release 0.5 on);
 5. the `gpt` example's Trainer with its mean token loss against the same loss returned as
-   (sum, count) (loss_forms.py), in a render of that example.
+   (sum, count) (loss_forms.py), in a render of that example;
+6. token shards (the project's benchmarks/shards.py, one process): peak resident memory at 0.1
+   and 1 GB of tokens, the loader's tokens/s against what the `gpt` example trains on (from 5),
+   and `prepare` in MB/s per worker;
+7. checkpoints (benchmarks/checkpoint_stall.py, one process): how long training stops for a
+   synchronous save and for checkpoint.async at a state of 1 GB, and the steps per second
+   while a background save is in flight.
 
 Then writes docs/benchmarks.md with the machine, the conditions and the figures.
 """
@@ -35,6 +41,7 @@ from pathlib import Path
 
 import pytorch_lightning
 import torch
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -157,6 +164,27 @@ def before(ref: str, project: Path, args: argparse.Namespace) -> dict:
     return {"ref": ref, **figures}
 
 
+def script_figures(project: Path, script: str, *options: str) -> dict:
+    """The JSON figures of one of the project's single-process benchmarks/ scripts."""
+    result = OUT / f"{script}.json"
+    command = [sys.executable, str(project / "benchmarks" / f"{script}.py"), f"--json={result}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(project / "src")}
+    with (OUT / f"{script}.log").open("w") as output:
+        done = subprocess.run(
+            [*command, *options], cwd=project, env=env, stdout=output, stderr=output
+        )
+    if done.returncode != 0:
+        raise SystemExit(f"failed: {script}.py\n{(OUT / f'{script}.log').read_text()[-4000:]}")
+    return json.loads(result.read_text())
+
+
+def gpt_tokens_per_s() -> float:
+    """The tokens per second the `gpt` example's default model trains on in section 5."""
+    config = yaml.safe_load((OUT / "gpt" / "ddp-project" / "configs" / "default.yaml").read_text())
+    tokens = config["train"]["global_batch_size"] * config["task"]["block_size"]
+    return tokens / json.loads((OUT / "loss_forms.json").read_text())["mean"]["median_step_s"]
+
+
 def cpu_model() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
@@ -212,7 +240,8 @@ def document(figures: dict) -> str:
         "",
         "Written by `make bench` (`bench/run.py`); run it to measure your own machine. The",
         "generated project has the same benchmarks for its users: `benchmarks/overhead.py`",
-        "(the Trainer against a plain DDP loop) and `benchmarks/allreduce.py`.",
+        "(the Trainer against a plain DDP loop), `benchmarks/allreduce.py`,",
+        "`benchmarks/shards.py` (token shards) and `benchmarks/checkpoint_stall.py`.",
         "",
         f"- Machine: {machine['cpu']}, {machine['cores']} cores, {machine['system']}; Python "
         f"{machine['python']}, torch {machine['torch']}, Lightning {machine['lightning']}.",
@@ -350,6 +379,7 @@ def document(figures: dict) -> str:
             for row in figures["allreduce"]["results"]
         ),
         "",
+        *scale_sections(figures["shards"], figures["stall"]),
         "## On GPUs",
         "",
         "The figures above are CPU figures. On a GPU machine, the generated project measures",
@@ -360,6 +390,69 @@ def document(figures: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def scale_sections(shards: dict, stall: dict) -> list[str]:
+    """The token-shard and checkpoint-stall sections of docs/benchmarks.md."""
+    rss = shards["rss"]
+    sizes = list(rss)
+    first = rss[sizes[0]]
+    return [
+        "## Token shards",
+        "",
+        "`benchmarks/shards.py` of the generated project. Resident memory: a fresh process reads",
+        f"batches of {first['micro_batch_size']} random windows of {first['block_size']} tokens",
+        "through the project's training DataLoader (one read per window, no memory map) from",
+        "shards of random uint16 tokens; peak RSS is VmHWM, the process's own memory RssAnon,",
+        "the shard pages it touched RssFile (page cache, given back under memory pressure).",
+        "Goal: the same peak within 50 MB whatever the corpus size.",
+        "",
+        "| tokens on disk | peak RSS (MB) | own memory (MB) | shard pages (MB) |",
+        "| ---: | ---: | ---: | ---: |",
+        *(
+            f"| {size} | {row['peak_rss_mb']:.0f} | {row['rss_anon_mb']:.0f} | "
+            f"{row['rss_file_mb']:.0f} |"
+            for size, row in rss.items()
+        ),
+        "",
+        f"Spread of the peaks: {shards['rss_peak_spread_mb']:.0f} MB. The loader delivers "
+        f"{shards['loader_tokens_per_s'] / 1e6:.1f} M tokens/s on one process with no worker; "
+        f"the `gpt` example's default model trains on {shards['gpt_tokens_per_s'] / 1e3:.1f} k "
+        f"tokens/s (section above): the loader is "
+        f"{shards['loader_tokens_per_s'] / shards['gpt_tokens_per_s']:.0f} times faster.",
+        "",
+        "`prepare`, byte tokenizer, on generated text:",
+        "",
+        "| workers | MB of text | seconds | MB/s | MB/s per worker |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+        *(
+            f"| {row['workers']} | {row['mb']:.0f} | {row['seconds']:.2f} | "
+            f"{row['mb_per_s']:.1f} | {row['mb_per_s_per_worker']:.1f} |"
+            for row in shards["prepare"]
+        ),
+        "",
+        "## Checkpoint stall: synchronous against checkpoint.async",
+        "",
+        "`benchmarks/checkpoint_stall.py`: one process (gloo, one rank) trains square linear",
+        f"layers with AdamW whose weights and moments take {stall['state_bytes'] / 1e9:.2f} GB,",
+        "and saves them with the project's code, each figure the median of "
+        f"{stall['repeats']} saves.",
+        "",
+        "| | seconds |",
+        "| --- | ---: |",
+        f"| synchronous save: training waits | {stall['sync_save_s']:.2f} |",
+        f"| checkpoint.async: training pauses to copy the state | {stall['async_stall_s']:.2f} |",
+        "| checkpoint.async, first save (allocates the copy) | "
+        f"{stall['async_first_stall_s']:.2f} |",
+        f"| checkpoint.async: the background write | {stall['async_write_s']:.2f} |",
+        "",
+        f"The async stall is {stall['stall_ratio']:.1%} of the synchronous save (goal: at most "
+        f"10%). Steps per second: {stall['steps_per_s_idle']:.2f} without a save, "
+        f"{stall['steps_per_s_during_save']:.2f} while a background save is in flight (the",
+        "write's serialisation and checksums share the cores with training: on a GPU node the",
+        "step runs on the device and loses far less).",
+        "",
+    ]
 
 
 def human(size: int) -> str:
@@ -391,6 +484,11 @@ def main() -> int:
     figures["allreduce"] = allreduce(project)
     print("the gpt example's loss forms ...", flush=True)
     figures["loss_forms"] = loss_forms(args)
+    print("token shards ...", flush=True)
+    figures["shards"] = script_figures(project, "shards")
+    figures["shards"]["gpt_tokens_per_s"] = gpt_tokens_per_s()
+    print("checkpoint stall ...", flush=True)
+    figures["stall"] = script_figures(project, "checkpoint_stall")
     if args.before:
         print(f"the Trainer of {args.before} ...", flush=True)
         figures["before"] = before(args.before, project, args)

@@ -1,8 +1,8 @@
 """A pytest plugin for the rendered projects' suites in the pairwise cover (test_project_suite.py
 loads it with `-p project_selection`): the tests that are the same whatever the options (the
 fault tests, those that train tasks of their own and those of modules no option changes) never
-run, the other single-process tests always do, and of the multi-process tests only those under the node ids given with
-`--multi-process-from` (a test, or a whole module)."""
+run, the other single-process tests always do, and of the multi-process tests only those under
+the node ids given with `--multi-process-from` (a test, or a whole module)."""
 
 from __future__ import annotations
 

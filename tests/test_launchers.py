@@ -479,36 +479,17 @@ CPU_FLAGS = ["--gpus-per-node=0", "--cpus-per-task=2"]
 TASK_PER_PROCESS_FLAGS = ["--gpus-per-node=0", "--ntasks-per-node=2", "--cpus-per-task=1"]
 
 
-def test_sbatch_trains_with_torchrun_on_a_real_cluster(
-    slurm: SlurmCluster, project: Path, tmp_path: Path
-) -> None:
-    run_dir = tmp_path / "run"
-    job_id = sbatch(slurm, project, CPU_FLAGS, [f"run.dir={run_dir}", *SHORT_RUN])
-    output = completed_job_output(slurm, project, job_id)
-    marker = final_checkpoint(run_dir)
-    assert (marker["step"], marker["world_size"]) == (20, 2)
-    assert "training complete at step 20" in output
-
-
-def test_sbatch_runs_one_task_per_process_without_torchrun(
-    slurm: SlurmCluster, project: Path, tmp_path: Path
-) -> None:
-    run_dir = tmp_path / "run"
-    job_id = sbatch(slurm, project, TASK_PER_PROCESS_FLAGS, [f"run.dir={run_dir}", *SHORT_RUN])
-    completed_job_output(slurm, project, job_id)
-    marker = final_checkpoint(run_dir)
-    assert (marker["step"], marker["world_size"]) == (20, 2)
-
-
 @pytest.mark.parametrize(
     "flags", [CPU_FLAGS, TASK_PER_PROCESS_FLAGS], ids=["torchrun", "task-per-process"]
 )
 def test_usr1_before_the_time_limit_checkpoints_requeues_and_resumes(
     slurm: SlurmCluster, project: Path, tmp_path: Path, flags: list[str]
 ) -> None:
-    """Slurm's warning signal (sent to the batch shell, as --signal=B:USR1 does) reaches the
-    training processes: they stop after the same step with a checkpoint, the job requeues
-    itself, and the next run resumes from exactly that step and finishes the training."""
+    """A job of either kind (torchrun per node, or one task per process) trains to its end on
+    a real cluster, across a requeue. Slurm's warning signal (sent to the batch shell, as
+    --signal=B:USR1 does) reaches the training processes: they stop after the same step with a
+    checkpoint, the job requeues itself, and the next run resumes from exactly that step and
+    finishes the training."""
     run_dir = tmp_path / "run"
     job_id = sbatch(slurm, project, flags, [f"run.dir={run_dir}", *LONG_RUN])
     wait_for_first_checkpoint(run_dir)

@@ -14,8 +14,9 @@ CI, license, metadata) that the render tests and the launcher tests check. So:
   multi-process tests of mechanisms no task changes (TASK_INDEPENDENT), in a project of its own
   after the default one.
 - Every pair of values of the suite options (a pairwise cover, completing the projects above)
-  runs the single-process tests, the 2-process training test and every test of the test
-  modules that an option changes or removes (the tracker's, the GPT example's, ...). Two
+  runs the single-process tests, the 2-process training test, and the multi-process tests of
+  the test modules that an option changes or removes (the tracker's, the GPT example's, ...)
+  where the pair holds a variant of them that no project above ran. Two
   options meet in what one process computes (a config, a model, a precision, a tracker),
   which those tests run, and in the 2-process training, which trains, checkpoints and resumes
   with the pair's model, precision and tracker. The other multi-process tests check how ranks
@@ -55,7 +56,8 @@ from variants import (
 #: signal, or early on a scripted evaluation), how a bad setting ends every rank, how the
 #: shipped config's batch splits over 8 ranks, which rank writes which file, how the ranks
 #: agree on a damaged checkpoint, a diverged replica or an inf gradient they were handed, how a
-#: starved rank is named, and the all-reduce benchmark, which trains nothing. The default
+#: starved rank is named, how a background save waits for the one in flight, and the
+#: all-reduce and checkpoint-stall benchmarks, which train nothing of the task's. The default
 #: project runs them; projects of other tasks (the other example, tests/test_user_tasks.py)
 #: deselect them.
 TASK_INDEPENDENT = [
@@ -72,6 +74,8 @@ TASK_INDEPENDENT = [
     "tests/test_amp.py::test_inf_gradient_on_one_rank_skips_the_step_on_every_rank",
     "tests/test_throughput.py::test_a_rank_starved_for_data_is_named_in_the_log",
     "tests/test_benchmarks.py::test_allreduce_reports_bus_bandwidth_as_nccl_tests_define_it",
+    "tests/test_benchmarks.py::test_checkpoint_stall_reports_the_pause_of_both_kinds_of_save_and_their_ratio",
+    "tests/test_async_checkpoint.py::test_the_next_background_save_waits_for_the_one_in_flight_and_collectives_do_not_mix",
 ]
 #: What a project of another task runs: the suite but the fault tests, the tests that train
 #: tasks of their own (own_tasks), those of modules no task changes (standalone) and the
@@ -105,6 +109,29 @@ SHARED_TEST_FILES = [
 ] + ["src/{{cookiecutter.package_name}}/task.py"]
 EACH_VALUE = cover(1, frozenset().union(*map(dependencies, SHARED_TEST_FILES)))
 PAIRS = cover(2, SUITE_OPTIONS, start=EACH_VALUE)[len(EACH_VALUE) :]
+
+
+def first_variants(projects: list[dict]) -> list[list[str]]:
+    """For each project in order, the option test modules it holds in a variant (the values of
+    the options their text reads) that no project before it held: the projects that run their
+    multi-process tests. A module's multi-process tests check what it names (the GPT example's
+    training on 2 ranks); how the options meet in 2-process training is the 2-rank test's."""
+    held: set[tuple] = set()
+    firsts = []
+    for combo in projects:
+        kept = kept_files(combo)
+        variants = {
+            infile: (infile, *(combo[option] for option in sorted(dependencies(infile))))
+            for infile in OPTION_TESTS
+            if infile in kept
+        }
+        firsts.append([infile for infile, variant in variants.items() if variant not in held])
+        held |= set(variants.values())
+    return firsts
+
+
+#: The option test modules whose multi-process tests each pair runs.
+PAIR_OPTION_TESTS = first_variants([*EACH_VALUE, *PAIRS])[len(EACH_VALUE) :]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -160,15 +187,19 @@ def test_the_suite_options_leave_the_pytest_settings_alone() -> None:
 
 def marked(marker: str) -> list[str]:
     """The test modules that use `pytest.mark.<marker>`."""
+    project = ROOT / "{{cookiecutter.__project_dir}}"
     return [
         infile
         for infile in template_files()
         if infile.startswith("tests/test_")
-        and f"pytest.mark.{marker}" in (ROOT / "{{cookiecutter.__project_dir}}" / infile).read_text()
+        and f"pytest.mark.{marker}" in (project / infile).read_text()
     ]
 
 
-@pytest.mark.parametrize(("marker", "example"), [("faults", "tests/test_restart.py")])
+@pytest.mark.parametrize(
+    ("marker", "example"),
+    [("faults", "tests/test_restart.py"), ("standalone", "tests/test_storage.py")],
+)
 def test_the_tests_run_once_read_no_option(marker: str, example: str) -> None:
     """So that the default project alone runs them."""
     modules = marked(marker)
@@ -227,7 +258,7 @@ def test_single_process_and_option_tests_and_two_rank_training_pass_for_every_pa
 ) -> None:
     project, env = render_from_source(combo, f"Pair {PAIRS.index(combo) + 1}", tmp_path)
     files = kept_files(combo)
-    chosen = [TWO_RANK_NODE, *(files[infile] for infile in OPTION_TESTS if infile in files)]
+    chosen = [TWO_RANK_NODE, *(files[infile] for infile in PAIR_OPTION_TESTS[PAIRS.index(combo)])]
     selection = ["-p", "project_selection", *(f"--multi-process-from={node}" for node in chosen)]
     # The plugin lives beside this file.
     env["PYTHONPATH"] += os.pathsep + str(Path(__file__).parent)
