@@ -53,14 +53,15 @@ class ResumableDistributedSampler(DistributedSampler):
         SampleSeededDataset.
 
         The order is DistributedSampler's (the same permutation of the same generator), held
-        as a tensor of this rank's share and read one index at a time: a Python list of every
-        index would take about 36 bytes a sample, 8 here, which matters for a corpus of
-        millions of windows.
+        as an array of this rank's share and read one index at a time: a Python list of every
+        index (or a tensor's iterator, which makes a tensor of each at once) would take tens
+        to hundreds of bytes a sample, 8 here, which matters for millions of windows.
         """
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
         order = torch.randperm(len(self.dataset), generator=generator)
-        mine = order[self.rank : self.total_size : self.num_replicas][self.start_index :].clone()
+        mine = order[self.rank : self.total_size : self.num_replicas][self.start_index :]
+        mine = mine.numpy().copy()  # the copy frees the rest of the permutation
         del order
         if not self.sample_seeds:
             return (int(index) for index in mine)
