@@ -410,8 +410,8 @@ def scale_sections(shards: dict, stall: dict) -> list[str]:
         "| tokens on disk | peak RSS (MB) | own memory (MB) | shard pages (MB) |",
         "| ---: | ---: | ---: | ---: |",
         *(
-            f"| {size} | {row['peak_rss_mb']:.0f} | {row['rss_anon_mb']:.0f} | "
-            f"{row['rss_file_mb']:.0f} |"
+            f"| {size.replace('GB', ' GB')} | {row['peak_rss_mb']:.0f} | "
+            f"{row['rss_anon_mb']:.0f} | {row['rss_file_mb']:.0f} |"
             for size, row in rss.items()
         ),
         "",
