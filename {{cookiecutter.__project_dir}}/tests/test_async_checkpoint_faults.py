@@ -4,16 +4,15 @@ in the middle of a background write: tests/test_object_store.py."""
 
 from __future__ import annotations
 
-import errno
 from pathlib import Path
 
 import pytest
 
-from {{ cookiecutter.package_name }} import checkpoint as checkpoint_module
 from {{ cookiecutter.package_name }}.checkpoint import CheckpointSaveError
 from {{ cookiecutter.package_name }}.config import load_config
 
 from .helpers import FAST, env_for, make_trainer, spawn, train_steps
+from .test_checkpoint_faults import full_disk_on
 
 pytestmark = [pytest.mark.distributed, pytest.mark.faults, pytest.mark.timeout(240)]
 
@@ -26,24 +25,16 @@ def _full_disk_on_rank_1_in_a_background_save(
     train_steps(trainer, 2)
     trainer.save_in_background()
     trainer.wait_for_save()
-    write = checkpoint_module._HashingWriter.write
-    if rank == 1:
-
-        def full_disk_write(self: object, data: bytes) -> int:
-            self.error = OSError(errno.ENOSPC, "No space left on device")
-            raise self.error
-
-        checkpoint_module._HashingWriter.write = full_disk_write
-    train_steps(trainer, 2)
-    trainer.save_in_background()  # fails in the background
-    train_steps(trainer, 2)  # while training goes on
-    trainer.background.poll()
-    try:
-        trainer.save_in_background()  # the next wait
-        outcome = "saved"
-    except CheckpointSaveError as error:
-        outcome = str(error)
-    checkpoint_module._HashingWriter.write = write
+    with full_disk_on(rank == 1):
+        train_steps(trainer, 2)
+        trainer.save_in_background()  # fails in the background
+        train_steps(trainer, 2)  # while training goes on
+        trainer.background.poll()
+        try:
+            trainer.save_in_background()  # the next wait
+            outcome = "saved"
+        except CheckpointSaveError as error:
+            outcome = str(error)
     return outcome, trainer.step
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import errno
 import itertools
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -49,27 +51,38 @@ def _resume(config: Config, rank: int, world_size: int) -> int | str:
     return resumed.step
 
 
+@contextmanager
+def full_disk_on(this_rank: bool) -> Iterator[None]:
+    """While inside, every write of a checkpoint file on this rank (when `this_rank`) fails as
+    on a full disk."""
+    write = checkpoint_module._HashingWriter.write
+
+    def full_disk_write(self: object, data: bytes) -> int:
+        self.error = OSError(errno.ENOSPC, "No space left on device")
+        raise self.error
+
+    if this_rank:
+        checkpoint_module._HashingWriter.write = full_disk_write
+    try:
+        yield
+    finally:
+        checkpoint_module._HashingWriter.write = write
+
+
 def _full_disk_on_rank_1_in_the_second_save(
     rank: int, world_size: int, run_dir: Path
 ) -> tuple[str, int | str]:
     config, trainer = _trainer(rank, world_size, run_dir)
     train_steps(trainer, 2)
     trainer.save()
-    write = checkpoint_module._HashingWriter.write
-    if rank == 1:
-
-        def full_disk_write(self: object, data: bytes) -> int:
-            self.error = OSError(errno.ENOSPC, "No space left on device")
-            raise self.error
-
-        checkpoint_module._HashingWriter.write = full_disk_write
-    train_steps(trainer, 2)
-    try:
-        trainer.save()
-        outcome = "saved"
-    except CheckpointSaveError as error:
-        outcome = str(error)
-    checkpoint_module._HashingWriter.write = write  # space was freed: launch again
+    with full_disk_on(rank == 1):
+        train_steps(trainer, 2)
+        try:
+            trainer.save()
+            outcome = "saved"
+        except CheckpointSaveError as error:
+            outcome = str(error)
+    # Space was freed: launch again.
     return outcome, _resume(config, rank, world_size)
 
 
