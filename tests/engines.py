@@ -166,7 +166,8 @@ def _node_idle(cluster: SlurmCluster, host: str) -> bool:
 
 @dataclass
 class Host:
-    """A network namespace acting as one machine: run commands in it with `prefix`."""
+    """A network namespace acting as one machine: run commands in it with `prefix`, or as a
+    whole node with `node_command`."""
 
     namespace: str
     interface: str
@@ -175,6 +176,49 @@ class Host:
     @property
     def prefix(self) -> list[str]:
         return ["ip", "netns", "exec", self.namespace]
+
+    def node_command(
+        self, name: str, hosts_file: Path, command: list[str], private_dir: Path | None = None
+    ) -> list[str]:
+        """`command` run as node `name`: its own host name, /etc/hosts (`hosts_file`) and
+        process tree (killing the first process powers the node off), the file system shared
+        with the other nodes but for `private_dir`, which this node sees empty (a directory
+        that is not shared, as a node-local disk)."""
+        script = (
+            'hostname "$1" && mount --bind "$2" /etc/hosts || exit 97; '
+            'if [ -n "$3" ]; then mount -t tmpfs node-local "$3" || exit 97; fi; '
+            'shift 3; exec "$@"'
+        )
+        isolate = ["unshare", "--uts", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc"]
+        private = str(private_dir) if private_dir else ""
+        return [
+            *self.prefix,
+            *isolate,
+            "bash",
+            "-c",
+            script,
+            "node",
+            name,
+            str(hosts_file),
+            private,
+            *command,
+        ]
+
+    def link(self, up: bool) -> None:
+        """Cut this host's link (no reset: packets vanish), or restore it."""
+        state = "up" if up else "down"
+        subprocess.run(
+            ["ip", "-n", self.namespace, "link", "set", self.interface, state], check=True
+        )
+
+    def drop_port(self, port: int) -> None:
+        """A firewall on this host drops what comes in on `port` (iptables)."""
+        require_root_and("iptables")
+        rule = ["-p", "tcp", "--dport", str(port), "-j", "DROP"]
+        subprocess.run([*self.prefix, "iptables", "-A", "INPUT", *rule], check=True)
+
+    def open_ports(self) -> None:
+        subprocess.run([*self.prefix, "iptables", "-F", "INPUT"], check=False)
 
 
 @contextmanager

@@ -21,7 +21,7 @@ from subprocess import CompletedProcess
 
 import pytest
 from cookiecutter.main import cookiecutter
-from engines import SlurmCluster, slurm_cluster, two_hosts, wait_until
+from engines import SlurmCluster, slurm_cluster, wait_until
 from matrix import ROOT
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -298,44 +298,6 @@ def final_checkpoint(run_dir: Path) -> dict:
 
 
 @torchrun_group
-def test_two_hosts_train_as_one_job_with_torchrun(project: Path, tmp_path: Path) -> None:
-    """Two network-namespace hosts with 2 processes each meet by c10d rendezvous at the first
-    host and train as 4 gloo ranks over the veth link, writing one shared checkpoint."""
-    run_dir = tmp_path / "run"
-    with two_hosts(f"ddp{os.getpid() % 100000}") as hosts:
-        first = hosts[0]
-        launches = []
-        for host in hosts:
-            env = project_env(
-                project,
-                NNODES="2",
-                NPROC_PER_NODE="2",
-                RDZV_ENDPOINT=f"{first.address}:29400",
-                RDZV_ID="two-hosts",
-                LOCAL_ADDR=host.address,
-                GLOO_SOCKET_IFNAME=host.interface,
-            )
-            command = [*host.prefix, "bash", "launch/torchrun.sh", f"run.dir={run_dir}", *SHORT_RUN]
-            log = (tmp_path / f"{host.namespace}.log").open("w")
-            launches.append(
-                subprocess.Popen(
-                    command,
-                    cwd=project,
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-        codes = wait_for_all(launches, timeout=300)
-    logs = {path.name: path.read_text()[-3000:] for path in tmp_path.glob("*.log")}
-    assert codes == [0, 0], logs
-    marker = final_checkpoint(run_dir)
-    assert (marker["step"], marker["world_size"]) == (20, 4)
-    assert sorted(marker["files"]) == [*(f"rank_{rank:05d}.pt" for rank in range(4)), "state.pt"]
-
-
-@torchrun_group
 def test_usr1_stops_a_torchrun_run_after_one_step_with_a_checkpoint(
     project: Path, tmp_path: Path
 ) -> None:
@@ -386,8 +348,8 @@ TERM_TARGETS = {
     # twice (directly, and passed on), which changes nothing.
     "every-process": 75,
     # torchrun alone: it passes the signal on to its workers and exits 1 whatever they did; the
-    # script, not signalled, cannot know better.
-    "torchrun": 1,
+    # script, not signalled, reports the status the training recorded.
+    "torchrun": 75,
 }
 
 
@@ -417,6 +379,68 @@ def test_sigterm_stops_a_torchrun_run_with_a_checkpoint(
     marker = final_checkpoint(run_dir)
     assert marker["step"] == int(stopped.group(1))
     assert sorted(marker["files"]) == ["rank_00000.pt", "rank_00001.pt", "state.pt"]
+
+
+@torchrun_group
+def test_ctrl_c_to_every_process_stops_with_a_checkpoint_at_the_current_step(
+    project: Path, tmp_path: Path
+) -> None:
+    """A terminal's Ctrl-C reaches every process of its foreground group, and torchrun passes
+    the SIGINT it got on to its workers: each rank sees two, the second a moment later. That
+    is one Ctrl-C: both ranks stop after the same step with a checkpoint there (exit 75), and
+    the log says what arrived."""
+    launcher, run_dir, log = start_torchrun_run(project, tmp_path)
+    workers = subprocess.run(  # torchrun starts them as `python -u -m ...`
+        ["pgrep", "-f", "--", f"-u -m {PACKAGE}.train .*run.dir={run_dir}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    for pid in workers.stdout.split():
+        os.kill(int(pid), signal.SIGINT)
+    time.sleep(0.3)  # their handlers have run: torchrun's copy comes as a second SIGINT
+    os.killpg(launcher.pid, signal.SIGINT)  # the launcher's group: it and torchrun
+    [code] = wait_for_all([launcher], timeout=120)
+    text = log.read_text()
+    assert code == 75, text[-3000:]
+    stopped = re.search(rf"stopped at step (\d+) of {LONG_STEPS} on SIGINT", text)
+    assert stopped, text[-3000:]
+    assert "the same Ctrl-C passed on by the launcher" in text
+    assert "interrupted again" not in text
+    assert final_checkpoint(run_dir)["step"] == int(stopped.group(1))
+
+
+@torchrun_group
+def test_the_launcher_exits_with_the_training_s_status_not_torchrun_s(
+    project: Path, tmp_path: Path
+) -> None:
+    """torchrun exits 1 whenever a worker did not exit 0; launch/torchrun.sh exits with what
+    the training said: 2 for a bad setting, 4 for a run directory another job holds."""
+    bad = subprocess.run(
+        ["bash", "launch/torchrun.sh", "train.epochz=3", f"run.dir={tmp_path / 'bad'}"],
+        cwd=project,
+        env=project_env(project, NPROC_PER_NODE="2"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2, bad.stderr[-3000:]
+    assert "torchrun exited 1; the training on this node exited 2" in bad.stderr
+    holder, run_dir, _ = start_torchrun_run(project, tmp_path)
+    try:
+        second = subprocess.run(
+            ["bash", "launch/torchrun.sh", *LONG_RUN, f"run.dir={run_dir}"],
+            cwd=project,
+            env=project_env(project, NPROC_PER_NODE="2"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.kill(holder.pid, signal.SIGTERM)
+        wait_for_all([holder], timeout=120)
+    assert second.returncode == 4, second.stderr[-3000:]
+    assert "is in use by another job" in second.stderr
 
 
 def wait_for_all(processes: list[subprocess.Popen], timeout: float) -> list[int | None]:
@@ -611,3 +635,15 @@ def test_scancel_stops_with_a_checkpoint_and_never_requeues(
     stopped = re.search(rf"stopped at step (\d+) of {LONG_STEPS} on SIGTERM", output)
     assert stopped, output
     assert final_checkpoint(run_dir)["step"] == int(stopped.group(1))
+
+
+def test_a_bad_setting_fails_the_job_with_status_2_and_no_requeue(
+    slurm: SlurmCluster, project: Path, tmp_path: Path
+) -> None:
+    """The batch script passes on the training's status, not torchrun's 1: a job whose
+    settings are refused ends FAILED with exit code 2, and is not requeued."""
+    job_id = sbatch(slurm, project, CPU_FLAGS, [f"run.dir={tmp_path / 'run'}", "train.epochz=3"])
+    job = wait_for_job(slurm, job_id)
+    output = job_output(project, job_id)
+    assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("FAILED", "2:0", "0"), output
+    assert "the training on this node exited 2" in output

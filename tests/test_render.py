@@ -86,12 +86,14 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
     tests += ["checkpoint_faults", "divergence", "best"]
     tests += ["shards", "prepare", "storage", "object_store", "background_save"]
     tests += ["async_checkpoint", "async_checkpoint_faults"]
+    tests += ["agreement", "network", "launch"]
     files |= {f"tests/test_{name}.py" for name in tests}
     modules = ["checkpoint", "config", "data", "distributed", "logs", "metrics", "profiling"]
     modules += ["plot", "resume", "stopping", "task", "throughput", "train", "trainer", "__init__"]
     modules += ["contract", "losses", "optimizer", "rng", "weights", "run_lock", "parent_watch"]
     modules += ["signals", "watchdog", "divergence", "best"]
     modules += ["shards", "prepare", "storage", "background_save"]
+    modules += ["agreement", "network", "launch", "doctor"]
     files |= {f"src/{package}/{name}.py" for name in modules}
     if combo["use_slurm"]:
         files.add("launch/slurm/train.sbatch")

@@ -3,10 +3,12 @@
 # Run it from the project root (CONFIG and the run directory are relative paths).
 #
 # Usage:
-#   launch/torchrun.sh [--dry-run] [section.key=value ...]
+#   launch/torchrun.sh [--dry-run] [--doctor] [section.key=value ...]
 #
 # Arguments are config overrides for the training entry point, e.g.
 #   launch/torchrun.sh train.max_steps=1000 run.dir=runs/exp1
+# --doctor runs the preflight check (python -m {{ cookiecutter.package_name }}.doctor) instead of
+# training, launched exactly as training is, with the same settings and overrides.
 #
 # Settings, from the environment (default in brackets):
 #   NNODES          number of machines [1]. With 1, torchrun runs --standalone (a local
@@ -19,8 +21,10 @@
 #   RDZV_ID         an id shared by all machines of one run and unique per run [local]
 #   LOCAL_ADDR      the address the other machines reach this one at [looked up from the host
 #                   name]; set it when the host name resolves to an address they cannot reach.
-#                   The machine whose LOCAL_ADDR is the host of RDZV_ENDPOINT hosts the
-#                   rendezvous (otherwise torchrun decides that from the host name)
+#                   The machine whose address is the host of RDZV_ENDPOINT hosts the rendezvous
+#   JOIN_TIMEOUT    seconds the machines wait for each other at the start, and torchrun's join
+#                   timeout for a restart [300]. Every 10 s each machine says who has joined;
+#                   a machine given another NNODES or RDZV_ID stops them all at once
 #   MAX_RESTARTS    how often torchrun restarts all workers after a failure [0]; restarted
 #                   workers resume from the newest checkpoint in run.dir
 #   SHUTDOWN_TIMEOUT  seconds torchrun gives its workers to stop after a signal before it kills
@@ -28,36 +32,50 @@
 #                   checkpoint write ("saved checkpoint ... in N s" in the log): keep it above
 #                   twice that. A rank that has not stopped 5 s before it writes its Python
 #                   stacks to <run.dir>/stacks/ and exits.
+#   EXIT_TIMEOUT    seconds torchrun may take to exit once its workers have ended [30]; past it,
+#                   torchrun (waiting for a rendezvous store on a node that is gone) is ended
 #   CONFIG          the YAML config [configs/default.yaml]
-#   DRY_RUN=1       print the torchrun command (one line, shell-quoted) instead of running it;
-#                   the same as --dry-run as the first argument
+#   PYTHON          the Python that runs torchrun and the training [python3]
+#   DRY_RUN=1       print the command (one line, shell-quoted) instead of running it; the same
+#                   as --dry-run as the first argument
+#
+# Before torchrun starts, python -m {{ cookiecutter.package_name }}.launch checks the addresses and
+# interfaces (RDZV_ENDPOINT resolves, and not to a loopback address; LOCAL_ADDR or the host
+# name is this machine's and not loopback; GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME exist),
+# and the machines meet; each failure says what to set. See the launching guide for the ports
+# that must be open between machines.
 #
 # Stopping: SIGTERM to this script (kill PID, docker stop, Kubernetes) is passed on to torchrun,
 # which passes it on to the training processes: every rank finishes the same step, saves a
-# checkpoint and exits with 75; torchrun then exits 1 whatever its workers did, and this script
-# exits 75. Ctrl-C does the same (torchrun gets it from the terminal). To stop without that
-# status, send USR1 or USR2 to this script, which passes it on the same way and exits 0:
+# checkpoint and exits with 75, and so does this script. Ctrl-C does the same (torchrun gets
+# it from the terminal). To stop without that status, send USR1 or USR2 to this script, which
+# passes it on the same way and exits 0:
 #   kill -USR1 PID    or    pkill -USR1 -f launch/torchrun.sh
-# Send a signal to this script or to torchrun, not to both: torchrun, signalled twice, turns
-# the second into SIGTERM. Signalled alone, torchrun passes the signal on all the same, but this
-# script, not told, reports torchrun's 1. A signal to the training processes alone (pkill -f
-# {{ cookiecutter.package_name }}.train) stops them too; torchrun is then not signalled and
-# reports what they did. A worker that exits 75 on its own (SIGTERM to it alone) is restarted
-# by torchrun when MAX_RESTARTS allows, and resumes from that checkpoint.
+# Send a signal to this script, to torchrun or to the training processes (pkill -f
+# {{ cookiecutter.package_name }}.train): each reaches the training, which stops the same way. A
+# worker that exits 75 on its own (SIGTERM to it alone) is restarted by torchrun when
+# MAX_RESTARTS allows, and resumes from that checkpoint.
 #
-# Exit status: 0 finished, or stopped on USR1/USR2; 75 stopped on SIGTERM or Ctrl-C with a
-# checkpoint at the current step: launch the same command again to resume; 2 a bad setting;
-# other failed.
+# Exit status, on every machine: the training's, not torchrun's (which is 1 whenever a worker
+# did not exit 0): 0 finished, or stopped on USR1/USR2; 75 stopped with a checkpoint at the
+# current step (SIGTERM or Ctrl-C, here or on another machine): launch the same command again
+# to resume; 2 a bad setting, on any machine; 3 the training diverged; 4 another job holds the
+# run directory; 1 the machines did not all join, or another failure.
 #
 # Two machines, 8 GPUs each: on both, with the same run directory on a shared file system,
 #   NNODES=2 RDZV_ENDPOINT=node01:29500 RDZV_ID=exp1 launch/torchrun.sh run.dir=/shared/runs/exp1
 # On Slurm clusters use launch/slurm/train.sbatch instead, which sets all of this per job.
 set -euo pipefail
 
-if [[ "${1:-}" == "--dry-run" ]]; then
-    DRY_RUN=1
+entry={{ cookiecutter.package_name }}.train
+while [[ "${1:-}" == --dry-run || "${1:-}" == --doctor ]]; do
+    if [[ "$1" == --dry-run ]]; then
+        DRY_RUN=1
+    else
+        entry={{ cookiecutter.package_name }}.doctor
+    fi
     shift
-fi
+done
 
 die() {
     echo "error: $*" >&2
@@ -82,7 +100,10 @@ NNODES="${NNODES:-1}"
 RDZV_ID="${RDZV_ID:-local}"
 MAX_RESTARTS="${MAX_RESTARTS:-0}"
 SHUTDOWN_TIMEOUT="${SHUTDOWN_TIMEOUT:-120}"
+JOIN_TIMEOUT="${JOIN_TIMEOUT:-300}"
+EXIT_TIMEOUT="${EXIT_TIMEOUT:-30}"
 CONFIG="${CONFIG:-configs/default.yaml}"
+PYTHON="${PYTHON:-python3}"
 DRY_RUN="${DRY_RUN:-0}"
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
     gpus="$(gpu_count)"
@@ -98,8 +119,12 @@ fi
 [[ "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]] || die "NPROC_PER_NODE must be a positive number, got '$NPROC_PER_NODE'"
 [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || die "MAX_RESTARTS must be a number >= 0, got '$MAX_RESTARTS'"
 [[ "$SHUTDOWN_TIMEOUT" =~ ^[1-9][0-9]*$ ]] || die "SHUTDOWN_TIMEOUT must be a positive number of seconds, got '$SHUTDOWN_TIMEOUT'"
+[[ "$JOIN_TIMEOUT" =~ ^[1-9][0-9]*$ ]] || die "JOIN_TIMEOUT must be a positive number of seconds, got '$JOIN_TIMEOUT'"
+[[ "$EXIT_TIMEOUT" =~ ^[1-9][0-9]*$ ]] || die "EXIT_TIMEOUT must be a positive number of seconds, got '$EXIT_TIMEOUT'"
 
-command=(torchrun)
+# python -m {{ cookiecutter.package_name }}.launch checks the settings, lets the machines meet, runs
+# torchrun with these options, and exits with the training's status.
+command=("$PYTHON" -m {{ cookiecutter.package_name }}.launch)
 if [[ "$NNODES" == 1 ]]; then
     command+=(--standalone --nnodes=1)
 else
@@ -112,12 +137,10 @@ else
         --rdzv-backend=c10d
         --rdzv-endpoint="$RDZV_ENDPOINT"
         --rdzv-id="$RDZV_ID"
+        --rdzv-conf=join_timeout="$JOIN_TIMEOUT"
     )
     if [[ -n "${LOCAL_ADDR:-}" ]]; then
         command+=(--local-addr="$LOCAL_ADDR")
-        if [[ "$LOCAL_ADDR" == "${RDZV_ENDPOINT%:*}" ]]; then
-            command+=(--rdzv-conf=is_host=true)
-        fi
     fi
 fi
 command+=(
@@ -125,7 +148,7 @@ command+=(
     --max-restarts="$MAX_RESTARTS"
     --shutdown-timeout="$SHUTDOWN_TIMEOUT"
     "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
-    -m {{ cookiecutter.package_name }}.train --config "$CONFIG" "$@"
+    -m "$entry" --config "$CONFIG" "$@"
 )
 
 if [[ "$DRY_RUN" == 1 ]]; then
@@ -139,44 +162,6 @@ fi
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 # The training processes read it too: a rank that has not stopped by then writes its stacks.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$SHUTDOWN_TIMEOUT"
-# SIGTERM, USR1 and USR2 are passed on to torchrun, which passes them on to the training
-# processes; SIGINT (Ctrl-C) reaches it from the terminal by itself. This script waits for it to
-# finish either way, and remembers the signal for its exit status.
-torchrun_pid=""
-stopped_by=""
-# shellcheck disable=SC2329  # called by the traps
-pass_on() {
-    if [[ "$stopped_by" != TERM ]]; then
-        stopped_by="$1"
-    fi
-    if [[ "$1" != INT && -n "$torchrun_pid" ]]; then
-        kill -"$1" "$torchrun_pid" 2>/dev/null || true
-    fi
-}
-for signal in TERM USR1 USR2; do
-    # shellcheck disable=SC2064  # the signal's name now
-    trap "pass_on $signal" "$signal"
-done
-trap 'pass_on INT' INT
-# torchrun runs in the background so that this script takes signals at once, with SIGINT and
-# SIGQUIT at their defaults (bash ignores them in background commands), and USR1 and USR2
-# ignored until torchrun sets its own handlers (an ignored signal stays ignored across exec).
-(
-    trap - INT QUIT
-    trap '' USR1 USR2
-    exec "${command[@]}"
-) &
-torchrun_pid=$!
-# A signal ends `wait` early: keep waiting until torchrun has really ended.
-status=0
-while wait "$torchrun_pid" || status=$?; kill -0 "$torchrun_pid" 2>/dev/null; do
-    status=0
-done
-# torchrun exits 1 after a signal, whatever its workers did: report the training's status.
-if ((status == 1)); then
-    case "$stopped_by" in
-    TERM | INT) exit 75 ;;
-    USR1 | USR2) exit 0 ;;
-    esac
-fi
-exit "$status"
+export JOIN_TIMEOUT EXIT_TIMEOUT
+# The launcher takes this script's place (and pid): a signal sent to the script reaches it.
+exec "${command[@]}"

@@ -94,6 +94,8 @@ def test_int_is_accepted_for_a_float() -> None:
         ("optim.warmup_steps=-5", "optim.warmup_steps must be >= 0"),
         ("best.patience=3", "best.patience needs best.metric"),
         ("best.metric=loss", "best.metric=loss is not an evaluation metric"),
+        ("data.num_workers=-1", "data.num_workers must be >= 0 or auto"),
+        ("data.num_workers=many", "data.num_workers must be of type int | auto"),
     ],
 )
 def test_bad_override_is_a_clear_error(override: str, message: str) -> None:

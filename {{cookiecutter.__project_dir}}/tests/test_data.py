@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch.utils.data import Dataset, DistributedSampler, TensorDataset
 
 from {{ cookiecutter.package_name }}.config import DataConfig
 from {{ cookiecutter.package_name }}.data import (
+    MAX_AUTO_WORKERS,
     EvalShardSampler,
     ResumableDistributedSampler,
     build_train_loader,
+    loader_workers,
+    usable_cores,
 )
 from {{ cookiecutter.package_name }}.distributed import DistEnv
 
@@ -135,3 +140,30 @@ def test_dataloader_workers_draw_the_same_numbers_after_a_resume_mid_epoch(draw:
     unbroken = _drawn(0, WORLD, epoch=1, draw=draw)
     assert _drawn(0, WORLD, epoch=1, start_index=12, draw=draw) == unbroken[12:]
     assert _drawn(0, WORLD, epoch=2, draw=draw) != unbroken
+
+
+@pytest.mark.parametrize(
+    ("cores", "ranks", "workers"),
+    [(16, 4, 3), (64, 8, 7), (256, 4, MAX_AUTO_WORKERS), (2, 2, 0), (1, 1, 0)],
+)
+def test_auto_workers_follow_the_cores_each_rank_has_to_spare(
+    cores: int, ranks: int, workers: int
+) -> None:
+    assert loader_workers(DataConfig(num_workers="auto"), ranks, cores) == workers
+
+
+def test_a_number_of_workers_is_taken_as_given() -> None:
+    assert loader_workers(DataConfig(num_workers=5), ranks_on_host=8, cores=2) == 5
+
+
+def test_this_process_may_use_at_least_one_core() -> None:
+    assert 1 <= usable_cores() <= (os.cpu_count() or 1)
+
+
+def test_auto_workers_keep_prefetching_and_persistent_workers_in_effect() -> None:
+    config = DataConfig()  # num_workers=auto
+    workers = loader_workers(config, ranks_on_host=2, cores=6)
+    loader, _ = build_train_loader(
+        _dataset(64), DistEnv(), config, 4, seed=0, device=torch.device("cpu"), workers=workers
+    )
+    assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor) == (2, True, 2)

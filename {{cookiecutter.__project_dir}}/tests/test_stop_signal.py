@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from {{ cookiecutter.package_name }} import stopping
 from {{ cookiecutter.package_name }}.checkpoint import latest_checkpoint
 from {{ cookiecutter.package_name }}.config import load_config
 from {{ cookiecutter.package_name }}.stopping import EXIT_INTERRUPTED, EXIT_RESUMABLE, StopRequests
@@ -257,8 +258,11 @@ def test_a_second_ctrl_c_exits_at_once_without_a_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The first Ctrl-C asks for the stop's checkpoint; a second one, during that save, ends the
-    command at once (130), and leaves no checkpoint that a resume would load."""
+    command at once (130), and leaves no checkpoint that a resume would load. (A clock that
+    moves a minute per signal: the second one is pressed, not passed on by a launcher.)"""
     train_step, save = Trainer.train_step, Trainer.save
+    minutes = iter(range(60, 6000, 60))
+    monkeypatch.setattr(stopping, "_now", lambda: float(next(minutes)))
 
     def interrupted_train_step(self: Trainer, batches: object) -> tuple:
         if self.step == 1:
@@ -273,6 +277,21 @@ def test_a_second_ctrl_c_exits_at_once_without_a_checkpoint(
     monkeypatch.setattr(Trainer, "save", interrupted_save)
     assert main(_overrides(tmp_path / "run")) == EXIT_INTERRUPTED
     assert latest_checkpoint(tmp_path / "run") is None
+
+
+def test_a_ctrl_c_that_reaches_a_rank_twice_is_one_stop_with_a_checkpoint() -> None:
+    """A terminal sends SIGINT to its whole foreground group, and torchrun (or srun, mpirun)
+    passes the one it got on to its workers milliseconds later: a rank that sees both stops as
+    on one Ctrl-C, and the log says what arrived. A Ctrl-C a second or more later is a second
+    press: exit at once."""
+    stop = StopRequests()
+    stop.note(signal.SIGINT, 1000.0)
+    stop.note(signal.SIGINT, 1000.004)  # the launcher's copy: no KeyboardInterrupt
+    assert stop.describe_arrivals().endswith(
+        "0.004 s later: the same Ctrl-C passed on by the launcher"
+    )
+    with pytest.raises(KeyboardInterrupt):
+        stop.note(signal.SIGINT, 1002.0)
 
 
 #: The training command as `python -m` runs it, sending itself SIGTERM as soon as torch starts

@@ -1,9 +1,17 @@
 """A hung rank ends the job after `dist.timeout_s` (a checkpoint write that takes longer is
 waited for: tests/test_restart.py), and is named: the log says which rank did not arrive, and
-every rank leaves its Python stacks in the run directory."""
+every rank leaves its Python stacks in the run directory. A rank that waits at start-up for a
+peer that never comes ends after the start-up timeout, or at once on a stop signal or when its
+launcher dies, instead of waiting in a connect that no Python handler interrupts."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,9 +61,89 @@ def test_a_hung_rank_is_named_leaves_its_stacks_and_ends_without_being_killed(
     result = run_torchrun(2, _overrides(run_dir), entry=write_fault_entry(tmp_path, HANG))
     assert result.returncode != 0
     assert "rank 1 hangs in step 6" in result.stderr
-    assert "rank(s) 1 did not arrive" in result.stderr
+    assert f"rank 1 on {socket.gethostname()} did not answer" in result.stderr
     assert "forcefully exiting" not in result.stderr  # no SIGKILL from torchrun
     hung = (run_dir / "stacks" / "rank_00001.txt").read_text()
     assert "in hanging_train_step" in hung
     waiting = (run_dir / "stacks" / "rank_00000.txt").read_text()
     assert "Timed out" in waiting
+
+
+def _rank_0_of_two(tmp_path: Path, *overrides: str) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of rank 0 of a job of two whose rank 1 never starts."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "{{ cookiecutter.package_name }}.train",
+        *FAST,
+        f"run.dir={tmp_path / 'run'}",
+        *overrides,
+    ]
+    return command, env
+
+
+def _wait_until_listening(port: int, process: subprocess.Popen) -> None:
+    """Until rank 0 hosts the rendezvous store: it is then waiting for rank 1."""
+    while process.poll() is None:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+
+
+def test_a_peer_that_never_starts_ends_the_start_up_naming_it(tmp_path: Path) -> None:
+    command, env = _rank_0_of_two(tmp_path, "dist.timeout_s=2")
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "the 2 ranks did not all reach the rendezvous store" in result.stderr
+    assert "within dist.timeout_s=2 s" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_sigterm_while_the_process_group_starts_ends_the_rank_with_75(tmp_path: Path) -> None:
+    command, env = _rank_0_of_two(tmp_path, "dist.timeout_s=120")
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    _wait_until_listening(int(env["MASTER_PORT"]), process)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 75, stderr[-3000:]
+    assert "SIGTERM arrived while the process group was still starting" in stderr
+
+
+def test_a_rank_whose_launcher_dies_while_it_starts_exits(tmp_path: Path) -> None:
+    """The launcher (a shell here) ends while its rank waits for a peer: the rank notices
+    within a second, and exits as on SIGTERM, with nothing to save."""
+    command, env = _rank_0_of_two(tmp_path, "dist.timeout_s=120")
+    log, pid_file = tmp_path / "rank0.log", tmp_path / "rank0.pid"
+    launcher = f'"$@" 2>{log} & echo $! >{pid_file}; wait'
+    process = subprocess.Popen(["bash", "-c", launcher, "launcher", *command], env=env)
+    _wait_until_listening(int(env["MASTER_PORT"]), process)
+    process.kill()
+    process.wait()
+    pid = int(pid_file.read_text())
+    while _running(pid):
+        time.sleep(0.2)
+    text = log.read_text()
+    assert "the launcher (pid" in text
+    assert "SIGTERM arrived while the process group was still starting" in text
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (an ended process that nobody reaped yet does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"

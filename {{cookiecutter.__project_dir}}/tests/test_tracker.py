@@ -123,9 +123,23 @@ def crashed_and_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path
 
 
 def _tracked_steps(run_dir: Path, name: str) -> list[int]:
-    events = EventAccumulator(str(run_dir / "tensorboard"))
-    events.Reload()
-    return [event.step for event in events.Scalars(name)]
+    """The steps of `name` in every event file, the files in the order they were written.
+
+    Each launch writes a file of its own, named `...<host>.<pid>.<counter>`: launches in one
+    second of one process (a test's crash and resume) differ by the counter alone, which
+    TensorBoard's directory reader sorts as text (.10 before .9).
+    """
+    files = sorted(
+        (run_dir / "tensorboard").glob("events.out.tfevents.*"),
+        key=lambda path: int(path.name.rsplit(".", 1)[-1]),
+    )
+    steps = []
+    for path in files:
+        events = EventAccumulator(str(path))
+        events.Reload()
+        if name in events.Tags()["scalars"]:
+            steps += [event.step for event in events.Scalars(name)]
+    return steps
 {%- elif cookiecutter.tracker == "mlflow" %}
 
 

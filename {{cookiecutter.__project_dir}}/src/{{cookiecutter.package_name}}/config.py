@@ -158,11 +158,17 @@ class DataConfig:
 
     `num_workers` > 0 loads batches in that many worker processes per rank, each keeping
     `prefetch_factor` batches ready; `persistent_workers` keeps them alive from one epoch (and
-    evaluation) to the next. `pin_memory` speeds up copies to a GPU (ignored on CPU).
+    evaluation) to the next. `auto` (the default) takes the cores each rank of the host has
+    (within its CPU affinity and container limit) minus the rank's own, at most 8; one log
+    line says how many. Any number of workers from 1 up draws the same samples in the same
+    order, with random augmentation seeded per sample, so hosts with other core counts train
+    alike; 0 loads in the training process, with the rank's own random streams, and ranks
+    that would mix the two are refused. `pin_memory` speeds up copies to a GPU (ignored on
+    CPU).
     """
 
-    #: Loader processes per rank; 0 loads in the training process.
-    num_workers: int = 0
+    #: Loader processes per rank; auto: the cores per rank minus one (at most 8); 0: none.
+    num_workers: int | Literal["auto"] = "auto"
     #: Batches each worker keeps ready.
     prefetch_factor: int = 2
     #: Keep the workers from one epoch (and evaluation) to the next.
@@ -339,6 +345,8 @@ class DistConfig:
     waits around checkpoint writes and work only rank 0 does (a tracker that starts slowly).
     `check_replicas_every` > 0 compares a checksum of every parameter across ranks every that
     many steps (a debugging aid: replicas that drift apart mean a bug outside DDP).
+    Before the first step the ranks compare their code, settings, versions, devices and data
+    (agreement.py); `allow_mixed_devices` lets ranks with different GPU types train together.
 
     DDP: gradients are all-reduced in buckets of `bucket_cap_mb`, overlapped with backward.
     `broadcast_buffers` copies rank 0's buffers (e.g. BatchNorm statistics) to the others at
@@ -353,8 +361,8 @@ class DistConfig:
 
     #: auto: CUDA when a GPU is visible, else CPU.
     device: Literal["auto", "cuda", "cpu"] = "auto"
-    #: auto: NCCL on CUDA, gloo on CPU.
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    #: auto: NCCL on CUDA, gloo on CPU; mpi needs a torch built with MPI.
+    backend: Literal["auto", "nccl", "gloo", "mpi"] = "auto"
     #: Seconds a start-up or training collective may wait before the job ends.
     timeout_s: int = 60
     #: Seconds the ranks wait for checkpoint writes and rank-0-only work.
@@ -373,6 +381,8 @@ class DistConfig:
     powersgd_rank: int = 1
     #: Compare parameter checksums across ranks every that many steps; 0: off.
     check_replicas_every: int = 0
+    #: Train on ranks with different GPU types (refused by default).
+    allow_mixed_devices: bool = False
 
 
 @dataclass
@@ -552,8 +562,8 @@ def validate(config: Config) -> None:
             f"best.metric={config.best.metric} is not an evaluation metric: name one as "
             "metrics.jsonl records it, e.g. eval/loss, eval/accuracy or eval_ema/loss"
         )
-    if config.data.num_workers < 0:
-        raise ConfigError(f"data.num_workers must be >= 0, got {config.data.num_workers}")
+    if config.data.num_workers != "auto" and config.data.num_workers < 0:
+        raise ConfigError(f"data.num_workers must be >= 0 or auto, got {config.data.num_workers}")
     if config.optim.lr <= 0:
         raise ConfigError(f"optim.lr must be positive, got {config.optim.lr}")
     if not 0 <= config.optim.min_lr_ratio <= 1:

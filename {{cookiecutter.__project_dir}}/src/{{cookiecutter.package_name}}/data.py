@@ -5,7 +5,10 @@ The task (task.py) builds the data sets; this module decides which rank sees whi
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,6 +17,48 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, d
 from .config import DataConfig
 from .distributed import DistEnv
 from .rng import seed_all
+
+#: The most loader workers per rank that data.num_workers=auto starts.
+MAX_AUTO_WORKERS = 8
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (Slurm's binding, taskset), within
+    a container's CPU limit (the cgroup's quota), at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    quota = _cgroup_cpu_limit()
+    if quota is not None:
+        cores = min(cores, max(1, math.ceil(quota)))
+    return max(1, cores)
+
+
+def _cgroup_cpu_limit() -> float | None:
+    """CPUs a container may use (cgroup v2 cpu.max, or v1 cfs quota); None when unlimited."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        root = Path("/sys/fs/cgroup/cpu")
+        quota_us = int((root / "cpu.cfs_quota_us").read_text())
+        period_us = int((root / "cpu.cfs_period_us").read_text())
+        return None if quota_us <= 0 else quota_us / period_us
+    except (OSError, ValueError):
+        return None
+
+
+def loader_workers(config: DataConfig, ranks_on_host: int, cores: int | None = None) -> int:
+    """Loader processes per rank: data.num_workers, or for `auto` the cores each rank of this
+    host has beside its own process, at most MAX_AUTO_WORKERS (0 when it has none to spare:
+    workers would only take turns with the training on the same cores)."""
+    if config.num_workers != "auto":
+        return config.num_workers
+    cores = usable_cores() if cores is None else cores
+    return max(0, min(MAX_AUTO_WORKERS, cores // max(1, ranks_on_host) - 1))
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -119,21 +164,24 @@ def build_train_loader(
     seed: int,
     device: torch.device,
     collate: Callable[[list[Any]], Any] = default_collate,
+    workers: int | None = None,
 ) -> tuple[DataLoader, ResumableDistributedSampler]:
     """Full micro-batches only (drop_last): every optimizer step sees exactly the global batch.
 
-    With worker processes, each sample is fetched with its own seed (SampleSeededDataset); in
-    the main process (num_workers=0) the rank's own generators, saved in checkpoints, serve.
+    `workers`: loader processes (default: data.num_workers, with `auto` as for one rank per
+    host). With worker processes, each sample is fetched with its own seed
+    (SampleSeededDataset); in the main process (0 workers) the rank's own generators, saved in
+    checkpoints, serve.
     """
-    workers = config.num_workers > 0
-    sampler = ResumableDistributedSampler(dataset, env, seed, sample_seeds=workers)
+    workers = loader_workers(config, 1) if workers is None else workers
+    sampler = ResumableDistributedSampler(dataset, env, seed, sample_seeds=workers > 0)
     loader = DataLoader(
-        SampleSeededDataset(dataset) if workers else dataset,
+        SampleSeededDataset(dataset) if workers > 0 else dataset,
         batch_size=micro_batch_size,
         sampler=sampler,
         drop_last=True,
         collate_fn=collate,
-        **_loader_options(config, device, seed + env.rank),
+        **_loader_options(config, workers, device, seed + env.rank),
     )
     return loader, sampler
 
@@ -146,20 +194,21 @@ def build_eval_loader(
     seed: int,
     device: torch.device,
     collate: Callable[[list[Any]], Any] = default_collate,
+    workers: int | None = None,
 ) -> DataLoader:
     """Every evaluation sample exactly once across all ranks."""
     sampler = EvalShardSampler(len(dataset), env)
+    workers = loader_workers(config, 1) if workers is None else workers
     return DataLoader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
         collate_fn=collate,
-        **_loader_options(config, device, seed + env.rank),
+        **_loader_options(config, workers, device, seed + env.rank),
     )
 
 
-def _loader_options(config: DataConfig, device: torch.device, seed: int) -> dict:
-    workers = config.num_workers
+def _loader_options(config: DataConfig, workers: int, device: torch.device, seed: int) -> dict:
     return {
         "num_workers": workers,
         "pin_memory": config.pin_memory and device.type == "cuda",

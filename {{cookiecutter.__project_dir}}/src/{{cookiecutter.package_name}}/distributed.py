@@ -11,8 +11,8 @@ from __future__ import annotations
 import gc
 import inspect
 import os
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -26,6 +26,11 @@ from .config import ConfigError, DistConfig
 
 #: Set by process_group(); None for a single process, and in tests that start their own group.
 _control_group: dist.ProcessGroup | None = None
+#: The same ranks with the short timeout, for collectives between steps (see step_group()).
+_step_group: dist.ProcessGroup | None = None
+#: The store the ranks met in, in this attempt's namespace (set by process_group()): what the
+#: ranks tell each other where no collective can run (watchdog.py names missing ranks in it).
+_store: dist.Store | None = None
 # Newer torch renamed the forward-time buffer sync; passing the old name warns there.
 _BUFFER_SYNC_ARGUMENT = (
     "forward_sync_buffers"
@@ -36,6 +41,11 @@ _BUFFER_SYNC_ARGUMENT = (
 
 class DistributedError(RuntimeError):
     """The launch environment cannot start a process group as configured."""
+
+
+class LaunchIncompleteError(RuntimeError):
+    """Some ranks never reached the rendezvous (or rank 0 never answered) within the start-up
+    timeout: they failed to start, or cannot reach it."""
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -167,11 +177,22 @@ def select_backend(device: torch.device, config: DistConfig) -> str:
         return "nccl" if device.type == "cuda" else "gloo"
     if config.backend == "nccl" and device.type != "cuda":
         raise DistributedError("dist.backend=nccl needs CUDA devices; use dist.backend=gloo on CPU")
+    if config.backend == "mpi" and not dist.is_mpi_available():
+        raise ConfigError(
+            f"dist.backend=mpi needs a torch built with MPI, and this one (torch "
+            f"{torch.__version__}) is not: torch.distributed.is_mpi_available() is False. Use "
+            "dist.backend=auto (NCCL on GPUs, gloo on CPU), or build torch from source with MPI."
+        )
     return config.backend
 
 
 @contextmanager
-def process_group(env: DistEnv, config: DistConfig) -> Iterator[torch.device]:
+def process_group(
+    env: DistEnv,
+    config: DistConfig,
+    agree: Callable[[dist.Store, torch.device], object] | None = None,
+    starting: AbstractContextManager | None = None,
+) -> Iterator[torch.device]:
     """Start the process group (if there is more than one rank) and always tear it down.
 
     Two timeouts: `dist.timeout_s` bounds start-up and every training collective, so that a hung
@@ -179,24 +200,34 @@ def process_group(env: DistEnv, config: DistConfig) -> Iterator[torch.device]:
     around checkpoint writes and rank-0-only work (a large save, a tracker that starts slowly),
     which run on a separate gloo group (CPU, so waiting never touches the GPU).
 
+    `agree(store, device)` runs once the ranks have met in the rendezvous store and before the
+    group starts (agreement.py: the ranks compare how they were launched). `starting` is
+    entered around the whole start (watchdog.startup_bounded: a bound, and stop signals).
+
     On success every rank meets at a barrier before leaving, so no rank exits while another still
     needs it. On an exception there is no barrier (the peers may be gone or hung): the group is
     destroyed and the error propagates: the process exits non-zero and the launcher ends the job.
     """
+    global _store
     device = select_device(env, config)
     if env.world_size > 1:
-        if env.launcher in _RENDEZVOUS_HINTS:
-            _require_rendezvous_address(env.launcher)
-        timeout = timedelta(seconds=config.timeout_s)
-        dist.init_process_group(
-            backend=select_backend(device, config),
-            store=_rendezvous_store(env, timeout),
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timeout,
-            device_id=device if device.type == "cuda" else None,
-        )
-        start_control_group(config.barrier_timeout_s)
+        with starting or nullcontext():
+            backend = select_backend(device, config)
+            timeout = timedelta(seconds=config.timeout_s)
+            _store = open_store(env, timeout)
+            if agree is not None:
+                agree(_store, device)
+            options: dict[str, Any] = {}
+            if backend != "mpi":  # MPI knows its ranks and needs no store
+                options = {"store": dist.PrefixStore("default_pg", _store)}
+                options.update(rank=env.rank, world_size=env.world_size)
+            dist.init_process_group(
+                backend=backend,
+                timeout=timeout,
+                device_id=device if device.type == "cuda" else None,
+                **options,
+            )
+            start_control_group(config.barrier_timeout_s, config.timeout_s)
     try:
         yield device
     except BaseException:
@@ -210,29 +241,46 @@ def process_group(env: DistEnv, config: DistConfig) -> Iterator[torch.device]:
     destroy_process_groups()
 
 
-def start_control_group(timeout_s: float) -> None:
-    """Start the gloo group of every rank that barriers and the stop agreement use.
+def start_control_group(timeout_s: float, step_timeout_s: float | None = None) -> None:
+    """Start the gloo groups of every rank: the control group, whose waits (barriers around
+    checkpoint writes, exchanges after slow work) last up to `timeout_s`, and the step group,
+    for collectives between steps, which wait up to `step_timeout_s` (default: `timeout_s`).
 
     A collective: every rank calls it once, right after the default group has started.
     """
-    global _control_group
+    global _control_group, _step_group
     _control_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    step_timeout = timedelta(seconds=step_timeout_s or timeout_s)
+    _step_group = dist.new_group(backend="gloo", timeout=step_timeout)
 
 
 def control_group() -> dist.ProcessGroup | None:
-    """The group for barriers and stop checks: None (the default group) until one is started."""
+    """The group for barriers and exchanges after slow work (dist.barrier_timeout_s): None (the
+    default group) until one is started."""
     return _control_group
 
 
+def step_group() -> dist.ProcessGroup | None:
+    """The group for collectives between steps (the stop checks, evaluation's layout), which
+    never wait for slow work: a rank that does not answer within dist.timeout_s is gone, or cut
+    off, and the job ends then rather than after dist.barrier_timeout_s."""
+    return _step_group
+
+
 def destroy_process_groups() -> None:
-    """Tear down the control group and the default group, if they are running."""
-    global _control_group
-    _control_group = None
+    """Tear down the control groups and the default group, if they are running."""
+    global _control_group, _step_group, _store
+    _control_group = _step_group = _store = None
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def _rendezvous_store(env: DistEnv, timeout: timedelta) -> dist.Store:
+def rendezvous_store() -> dist.Store | None:
+    """The store the ranks met in, in this attempt's namespace; None without a process group."""
+    return _store
+
+
+def open_store(env: DistEnv, timeout: timedelta) -> dist.Store:
     """The store the ranks meet in (MASTER_ADDR:MASTER_PORT), in a namespace of this attempt.
 
     torchrun hosts that store itself (TORCHELASTIC_USE_AGENT_STORE) and keeps it across
@@ -243,12 +291,23 @@ def _rendezvous_store(env: DistEnv, timeout: timedelta) -> dist.Store:
     set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per attempt), which holds across
     machines whose torchruns count restarts differently.
     """
-    store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+    if env.launcher in _RENDEZVOUS_HINTS:
+        _require_rendezvous_address(env.launcher)
+    try:
+        store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+    except dist.DistError as error:
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise LaunchIncompleteError(
+            f"rank {env.rank}: the {env.world_size} ranks did not all reach the rendezvous "
+            f"store at {where} within dist.timeout_s={timeout.total_seconds():.0f} s "
+            f"({str(error).splitlines()[0]}). A rank failed to start (its node's log says "
+            "why), or cannot reach that address: a firewall, or a wrong MASTER_ADDR."
+        ) from error
     store.set_timeout(timeout)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return dist.PrefixStore(f"attempt_{attempt}/default_pg", store)
-    return dist.PrefixStore("default_pg", store)  # the namespace init_process_group would use
+        return dist.PrefixStore(f"attempt_{attempt}", store)
+    return store
 
 
 #: Launchers that start every rank themselves, with how to give the ranks a meeting point.

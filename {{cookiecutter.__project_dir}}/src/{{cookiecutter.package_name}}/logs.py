@@ -16,16 +16,16 @@ from pathlib import Path
 from typing import TextIO
 
 
-def setup_logging(rank: int, run_dir: Path) -> None:
-    """Configure the root logger for this rank: INFO on rank 0, WARNING elsewhere."""
+def setup_logging(rank: int, run_dir: Path | None = None) -> None:
+    """Configure the root logger for this rank: INFO on rank 0, WARNING elsewhere; to stderr,
+    and to this rank's file in `run_dir` once the job owns it."""
     level = logging.INFO if rank == 0 else logging.WARNING
     formatter = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log_file = run_dir / log_file_name(rank)
-    handlers: list[logging.Handler] = [
-        logging.StreamHandler(sys.stderr),
-        logging.FileHandler(log_file, mode="a", delay=rank != 0),
-    ]
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        log_file = run_dir / log_file_name(rank)
+        handlers.append(logging.FileHandler(log_file, mode="a", delay=rank != 0))
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)

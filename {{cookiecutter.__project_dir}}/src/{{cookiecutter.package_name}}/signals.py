@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from typing import Any
 
 #: What a stop signal asks for, agreed on by MAX across ranks: any of the terminating ones
@@ -24,7 +25,14 @@ STOP_SIGNALS = {
     "SIGUSR2": REQUESTED,
 }
 
-_received: list[int] = []
+#: A second SIGINT this soon after the first is the same Ctrl-C: a terminal sends SIGINT to
+#: its whole foreground process group, and a launcher (torchrun, srun, mpirun) passes the
+#: SIGINT it got on to its workers, milliseconds apart. A person who presses Ctrl-C again to
+#: exit at once does so after seeing that the first did not stop the run at once.
+SAME_PRESS_S = 1.0
+
+#: (signal number, wall-clock time) of each stop signal recorded before StopRequests takes over.
+_received: list[tuple[int, float]] = []
 _previous: dict[int, Any] = {}
 
 
@@ -46,15 +54,26 @@ def record_early() -> None:
 
 
 def _record(signum: int, frame: object) -> None:
-    if signum == signal.SIGINT and signal.SIGINT in _received:
+    now = time.time()
+    if is_second_press(signum, _received, now):
         raise KeyboardInterrupt
-    _received.append(signum)
+    _received.append((signum, now))
 
 
-def take_over() -> tuple[list[int], dict[int, Any]]:
-    """The signals recorded so far and the handlers from before `record_early()`, after which
-    nothing more is recorded here. Call it once the caller's own handlers are set, so that no
-    signal falls between the two. Empty when `record_early()` never ran."""
+def is_second_press(signum: int, received: list[tuple[int, float]], now: float) -> bool:
+    """Whether a SIGINT at `now` is a second Ctrl-C: an earlier SIGINT was `received`, and not
+    within SAME_PRESS_S (then it is the same press, passed on by a launcher)."""
+    if signum != signal.SIGINT:
+        return False
+    first = next((at for number, at in received if number == signal.SIGINT), None)
+    return first is not None and now - first >= SAME_PRESS_S
+
+
+def take_over() -> tuple[list[tuple[int, float]], dict[int, Any]]:
+    """The signals recorded so far, with the time each arrived, and the handlers from before
+    `record_early()`, after which nothing more is recorded here. Call it once the caller's own
+    handlers are set, so that no signal falls between the two. Empty when `record_early()`
+    never ran."""
     received, previous = list(_received), dict(_previous)
     _received.clear()
     _previous.clear()
@@ -67,7 +86,7 @@ def release_early() -> None:
     received, previous = take_over()
     for signum, handler in previous.items():
         signal.signal(signum, handler)
-    for signum in dict.fromkeys(received):
+    for signum in dict.fromkeys(number for number, _ in received):
         signal.raise_signal(signum)
 
 
@@ -75,6 +94,7 @@ def train_command() -> int:
     """The `-train` console command: record the stop signals first, then import the training
     (and torch) and run it, as `python -m <package>.train` does."""
     record_early()
+    from .launch import exit_status_recorded
     from .train import main
 
-    return main()
+    return exit_status_recorded(main)

@@ -12,12 +12,15 @@ what comes next. Ctrl-C and SIGHUP take 75, not 0: the training did not finish, 
 `train && next-step` does not go on as if it had. A second Ctrl-C interrupts at once
 (KeyboardInterrupt; the entry point exits 130) without a checkpoint of the current step: an
 interrupted save is never loaded, the newest complete checkpoint stays the one to resume from.
+A SIGINT within a second of the first is the same Ctrl-C, reaching the process twice: from
+the terminal and from a launcher that passes it on (signals.SAME_PRESS_S). The log says which
+signals arrived, and when.
 Signals that arrive before training starts (even while torch is imported: signals.py) stop
 every rank at start-up with the same statuses.
 
 The handler only records the signal: saving inside a signal handler can deadlock. About once
 every `check_s` seconds of training, each rank starts an all-reduce (MAX) of what it has
-received, and of its step time, on the CPU control group, and reads the result at the next
+received, and of its step time, on the CPU step group, and reads the result at the next
 check, by which time it has long arrived. Every rank reads the same result after the same step,
 so all of them stop together, about 2 x check_s after the first signal reached any of them,
 without a blocking collective or a GPU sync in the step. The same result sets the next check's
@@ -38,13 +41,15 @@ import torch
 import torch.distributed as dist
 
 from . import signals
-from .distributed import control_group, is_distributed
+from .distributed import is_distributed, step_group
 
 EXIT_RESUMABLE = 75
 #: A second Ctrl-C: stopped at once, without a checkpoint of the current step (128 + SIGINT).
 EXIT_INTERRUPTED = 130
 #: The most steps between two checks, however short the steps.
 MAX_CHECK_INTERVAL = 1000
+#: The wall clock that stamps the signals' arrival.
+_now = time.time
 
 _NOTHING = 0
 
@@ -66,6 +71,8 @@ class StopRequests:
         self.enabled = enabled
         self.check_s = check_s
         self.received = _NOTHING
+        #: (signal number, wall-clock time) of every stop signal this process received.
+        self.arrivals: list[tuple[int, float]] = []
         #: What the ranks agreed on; set once they stop.
         self.agreed = _NOTHING
         self._installed = False
@@ -101,8 +108,8 @@ class StopRequests:
         previous.update(before_early)
         self._installed = True
         try:
-            for signum in received_early:
-                self._record(signum, None)
+            for signum, at in received_early:
+                self.note(signum, at)
             yield
         finally:
             for signum, handler in previous.items():
@@ -110,10 +117,36 @@ class StopRequests:
             self._installed = False
 
     def _record(self, signum: int, frame: object) -> None:
-        # Only a flag: logging or saving here could run in the middle of the same work.
-        if signum == signal.SIGINT and self.received == _weight(signal.SIGINT):
+        # Only a note: logging or saving here could run in the middle of the same work.
+        self.note(signum, _now())
+
+    def note(self, signum: int, at: float) -> None:
+        """Record the stop signal `signum`, which arrived at `at` (seconds since the epoch);
+        raises KeyboardInterrupt at a second Ctrl-C (signals.is_second_press)."""
+        if self.received == _weight(signal.SIGINT) and signals.is_second_press(
+            signum, self.arrivals, at
+        ):
             raise KeyboardInterrupt  # Ctrl-C twice: stop now, without a checkpoint
+        self.arrivals.append((signum, at))
         self.received = max(self.received, _weight(signum))
+
+    def describe_arrivals(self) -> str:
+        """The stop signals this process received, and when: for the log line of the stop."""
+        parts = []
+        first_sigint: float | None = None
+        for signum, at in self.arrivals:
+            name = signal.Signals(signum).name
+            when = time.strftime("%H:%M:%S", time.localtime(at)) + f".{int(at % 1 * 1000):03d}"
+            if signum == signal.SIGINT and first_sigint is not None:
+                parts.append(
+                    f"{name} again at {when}, {at - first_sigint:.3f} s later: the same Ctrl-C "
+                    "passed on by the launcher"
+                )
+                continue
+            if signum == signal.SIGINT:
+                first_sigint = at
+            parts.append(f"{name} at {when}")
+        return "; ".join(parts)
 
     def agreed_now(self) -> bool:
         """Whether any rank has received a stop signal so far; blocking, for before training.
@@ -125,7 +158,7 @@ class StopRequests:
             return False
         value = torch.tensor([self.received], dtype=torch.int32)
         if is_distributed():
-            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=control_group())
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=step_group())
         self.agreed = int(value)
         self._since = self._last_step_end = time.perf_counter()
         return self.agreed != _NOTHING
@@ -152,7 +185,7 @@ class StopRequests:
         self._steps, self._since = 0, now
         agreed = self._finish_pending()
         value = torch.tensor([float(self.received), step_time], dtype=torch.float64)
-        work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=control_group(), async_op=True)
+        work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=step_group(), async_op=True)
         self._pending = (work, value)
         if agreed != _NOTHING:
             self.agreed = agreed

@@ -16,20 +16,31 @@ if __name__ == "__main__":
 import argparse
 import logging
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from .agreement import (
+    LaunchIncompleteError,
+    agree_on_launch,
+    identity,
+    refuse_launch,
+    require_shared_run_dir,
+    roster,
+)
 from .checkpoint import (
     CheckpointSaveError,
     new_job_token,
     remove_foreign_staging,
     restore_run_files,
 )
-from .config import Config, ConfigError, load_config, settings, to_yaml
-from .distributed import DistEnv, barrier, detect_env, process_group
+from .config import Config, ConfigError, DistConfig, load_config, settings, to_yaml
+from .distributed import DistEnv, barrier, detect_env, open_store, process_group
 from .divergence import EXIT_DIVERGED, DivergenceError
+from .launch import exit_status_recorded
 from .logs import setup_logging
 from .metrics import MetricsLogger
 from .parent_watch import launcher_watched
@@ -42,7 +53,7 @@ from .task import Task
 from .tracker import Tracker
 {%- endif %}
 from .trainer import Trainer, batch_split
-from .watchdog import hangs_reported, stop_deadline
+from .watchdog import hangs_reported, startup_bounded, stop_deadline
 from .weights import WeightsError
 
 log = logging.getLogger(__name__)
@@ -88,16 +99,13 @@ def _settings_help() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     env = detect_env()
-    try:
-        config = load_config(args.config, args.overrides)
-        # Checked before any process group starts: a bad batch split fails fast on every rank.
-        batch_split(config.train.global_batch_size, config.train.micro_batch_size, env.world_size)
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
+    config = checked_config(args.config, args.overrides, env, tell=not args.print_config)
+    if config is None:
         return 2
     if args.print_config:
         print(to_yaml(config), end="")
         return 0
+    setup_logging(env.rank)  # stderr until the job owns its run directory
 
     run_dir = run_location(config.run.dir, config.run.local_dir)
     local_dir = local_dir_of(run_dir)
@@ -109,15 +117,24 @@ def main(argv: list[str] | None = None) -> int:
         with (
             stop.installed(),
             launcher_watched(env),
-            process_group(env, config.dist) as device,
+            process_group(
+                env,
+                config.dist,
+                agree=lambda store, device: _agree(store, device, config, env),
+                starting=startup_bounded(stop, env, config.dist.timeout_s),
+            ) as device,
             owned_run_dir(run_dir, env) as lock,
             stop_deadline(stop, env, local_dir, config),
-            hangs_reported(local_dir, env, config.dist.timeout_s),
+            hangs_reported(local_dir, env),
         ):
+            token = lock.me.token if lock else None
+            require_shared_run_dir(run_dir, config.run.dir, token, env, config.dist.timeout_s)
             # Nothing is written in the run directory before this job owns it: a job refused
             # leaves the holder's logs, metrics and checkpoints as they are.
             restored = _restore_run_files(run_dir, env)
             setup_logging(env.rank, local_dir)
+            if env.is_main and env.world_size > 1:
+                log.info("%s; agreed in %.2f s", roster().describe(), roster().seconds)
             if isinstance(run_dir, ObjectPath) and env.is_main:
                 _announce_object_store(run_dir, restored)
             if lock is not None:
@@ -126,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunDirBusyError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_RUN_DIR_BUSY
+    except LaunchIncompleteError as error:
+        log.error("%s", error)
+        return 1
     except (ResumeError, WeightsError, ConfigError) as error:
         log.error("%s", error)
         return 2
@@ -142,6 +162,37 @@ def main(argv: list[str] | None = None) -> int:
             run_dir,
         )
         return EXIT_INTERRUPTED
+
+
+def _agree(store: dist.Store, device: torch.device, config: Config, env: DistEnv) -> None:
+    """The ranks compare how they were launched before the process group starts."""
+    mine = identity(config, device)
+    agree_on_launch(store, env.rank, env.world_size, mine, config.dist.timeout_s)
+
+
+def checked_config(
+    path: Path | None, overrides: list[str], env: DistEnv, tell: bool = True
+) -> Config | None:
+    """The config of this launch; None once a refusal is printed and, with `tell`, the other
+    ranks are told, so that they stop too (exit 2) instead of waiting for this one."""
+    try:
+        config = load_config(path, overrides)
+        # Checked before any process group starts: a bad batch split fails fast on every rank.
+        batch_split(config.train.global_batch_size, config.train.micro_batch_size, env.world_size)
+        return config
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        if tell and env.world_size > 1:
+            _tell_the_other_ranks(env, str(error))
+        return None
+
+
+def _tell_the_other_ranks(env: DistEnv, reason: str) -> None:
+    try:
+        store = open_store(env, timedelta(seconds=DistConfig().timeout_s))
+    except (RuntimeError, ValueError):  # no rendezvous address, or nobody there
+        return
+    refuse_launch(store, env.rank, env.world_size, reason)
 
 
 def _restore_run_files(run_dir: Location, env: DistEnv) -> Location | None:
@@ -206,4 +257,4 @@ def train(
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status_recorded(main))

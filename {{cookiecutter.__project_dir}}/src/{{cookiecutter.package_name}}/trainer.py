@@ -12,6 +12,7 @@ import copy
 import logging
 import math
 import platform
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
@@ -27,6 +28,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from . import __version__, rng
+from .agreement import agree_on_data, roster
 from .background_save import BackgroundSaver, CompletedSave
 from .best import BestCheckpoint
 from .checkpoint import (
@@ -45,7 +47,7 @@ from .checkpoint import (
 )
 from .config import Config, ConfigError, to_yaml
 from .contract import TaskBase, adopt
-from .data import build_eval_loader, build_train_loader
+from .data import build_eval_loader, build_train_loader, loader_workers, usable_cores
 from .distributed import (
     DistEnv,
     all_reduce_sum,
@@ -53,6 +55,7 @@ from .distributed import (
     gather_objects,
     gather_rows,
     is_distributed,
+    step_group,
     wrap_ddp,
 )
 from .divergence import DivergenceError, DivergenceGuard
@@ -181,6 +184,13 @@ class Trainer:
         self._seed_rank_streams()
 
         train_set, eval_set = self.task.build_datasets()
+        workers = self._loader_workers()
+        # Worker processes seed each sample's random draws; the training process draws from
+        # the rank's own streams: ranks mixing the two would augment differently.
+        agree_on_data(
+            {"training set": train_set, "evaluation set": eval_set},
+            {"loads in worker processes (data.num_workers)": workers > 0},
+        )
         self.train_loader, self.sampler = build_train_loader(
             train_set,
             env,
@@ -189,6 +199,7 @@ class Trainer:
             config.run.seed,
             device,
             self.task.collate,
+            workers,
         )
         self.eval_loader = build_eval_loader(
             eval_set,
@@ -198,6 +209,7 @@ class Trainer:
             config.run.seed,
             device,
             self.task.collate,
+            workers,
         )
         # The same on any world size: step s of an epoch always trains on the same global samples.
         self.steps_per_epoch = len(train_set) // train.global_batch_size
@@ -248,6 +260,33 @@ class Trainer:
         if precision == "none":
             precision = "tf32" if train.tf32 and device.type == "cuda" else "fp32"
         self.peak_flops = peak_flops(device, precision, train.peak_tflops)
+
+    def _loader_workers(self) -> int:
+        """data.num_workers, resolved for the ranks of this host; `auto` says so in one line,
+        and more workers than cores are warned about."""
+        ranks_here = roster().ranks_on(socket.gethostname()) or self.env.world_size
+        cores = usable_cores()
+        workers = loader_workers(self.config.data, ranks_here, cores)
+        if self.env.local_rank == 0:
+            if self.config.data.num_workers == "auto":
+                log.info(
+                    "data.num_workers=auto: %d loader worker(s) per rank (%d usable core(s) "
+                    "for %d rank(s) on %s)",
+                    workers,
+                    cores,
+                    ranks_here,
+                    socket.gethostname(),
+                )
+            if ranks_here * workers > cores:
+                log.warning(
+                    "%d rank(s) x %d loader workers on %s exceed its %d usable cores: they "
+                    "compete for them; lower data.num_workers",
+                    ranks_here,
+                    workers,
+                    socket.gethostname(),
+                    cores,
+                )
+        return workers
 
     def _announce_batch_norm(self) -> None:
         """Batch statistics come from each rank's micro-batch: say what that means, once."""
@@ -507,12 +546,14 @@ class Trainer:
             )
 
     def _stopped(self) -> int:
+        arrivals = self.stop.describe_arrivals()
         log.info(
-            "stopped at step %d of %d on %s; launch the same command again to continue from "
+            "stopped at step %d of %d on %s%s; launch the same command again to continue from "
             "there (exit status %d)",
             self.step,
             self.total_steps,
             self.stop.reason,
+            f" (received here: {arrivals})" if arrivals else "",
             self.stop.exit_status,
         )
         return self.stop.exit_status
@@ -685,7 +726,8 @@ class Trainer:
                 )
                 local[key] = local[key] + vector if key in local else vector
         layout: dict[str, int] = {}
-        for shapes in gather_objects({key: len(value) for key, value in local.items()}):
+        mine = {key: len(value) for key, value in local.items()}
+        for shapes in gather_objects(mine, step_group()):
             layout.update({key: size for key, size in shapes.items() if key not in layout})
         flat = [
             local.get(key, torch.zeros(size, dtype=torch.float64, device=self.device))

@@ -1,9 +1,16 @@
 """Hangs end in bounded time and say where they are: stacks files and the ranks that are missing.
 
+- The process group starts (`startup_bounded`): a rank still starting after twice
+  `dist.timeout_s` (each of its waits is bounded by that) writes its stacks to stderr and exits
+  1; one that gets a stop signal meanwhile, or whose launcher dies, exits at once with the
+  signal's status (nothing was trained in that launch, so nothing is lost), instead of waiting
+  in a connect that no Python handler can interrupt.
 - A collective fails (gloo gives up after `dist.timeout_s`, or a peer is gone): every rank that
-  sees the error writes its Python stacks to `<run.dir>/stacks/rank_<N>.txt`, then all wait a
-  short monitored barrier on the control group, and rank 0's log names the ranks that did not
-  arrive: hung, or dead.
+  sees the error writes its Python stacks to `<run.dir>/stacks/rank_<N>.txt`, then tells the
+  others through the rendezvous store that it is alive. Rank 0 waits NAMING_WAIT_S for them and
+  names the ranks that did not answer, with their hosts: hung, dead, or cut off; every other
+  rank reads that answer, or, when rank 0 does not give it in time, names rank 0's host as the
+  one it lost contact with. Every wait there is bounded by NAMING_WAIT_S, on every rank.
 - A rank got a stop signal (torchrun ending the job after that failure, a preemption) and has
   not exited in time: it is hung, and its Python handler may never run (a wait in C code). A
   thread reads the signal from signal.set_wakeup_fd, which works whatever the main thread does,
@@ -23,24 +30,29 @@ before that SIGKILL, so that the stacks are written.
 from __future__ import annotations
 
 import faulthandler
+import json
 import logging
 import os
 import re
 import signal
 import socket
+import sys
 import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from datetime import timedelta
 from pathlib import Path
 from typing import TextIO
 
 import torch.distributed as dist
 
+from . import signals
+from .agreement import describe_ranks, roster
 from .config import Config
-from .distributed import DistEnv, barrier, is_distributed
+from .distributed import DistEnv, is_distributed, rendezvous_store
 from .signals import stop_signals
-from .stopping import StopRequests
+from .stopping import EXIT_RESUMABLE, StopRequests
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +64,16 @@ KILL_MARGIN_S = 5.0
 #: The longest wait for the other ranks after a collective failed: they failed at about the
 #: same moment, since they were waiting in the same collective.
 NAMING_WAIT_S = 10.0
+#: Start-up: the agreement and the group's start each wait at most dist.timeout_s; this is
+#: added for everything else (a slow CUDA initialisation, a loaded machine).
+STARTUP_MARGIN_S = 30.0
+#: A stop signal during start-up: the seconds left for the start to finish, after which the
+#: stop protocol could take over; otherwise the rank exits at once.
+STARTUP_STOP_GRACE_S = 2.0
 # What gloo's errors say when a collective timed out or a peer is gone.
 _COLLECTIVE_FAILURES = ("Timed out", "timed out", "Connection closed by peer", "Connection reset")
-_MISSING_RANKS = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
+# The address of the peer a gloo error names: "[10.0.0.2]:41234".
+_PEER_ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+")
 
 _wakeup_writer: socket.socket | None = None
 
@@ -88,17 +107,13 @@ def stop_deadline(
     """Inside the block, a rank that has not left it within the stop deadline after a stop
     signal writes its stacks and exits 1. A single process is left alone: no launcher kills it,
     and a second Ctrl-C ends it."""
-    global _wakeup_writer
     main_thread = threading.current_thread() is threading.main_thread()
     if not stop.enabled or env.launcher == "single" or not main_thread:
         yield
         return
-    reader, writer = socket.socketpair()
-    writer.setblocking(False)
-    numbers = {int(signum) for signum in stop_signals()}
     stacks: list[TextIO] = []
 
-    def arm() -> None:
+    def arm(signum: int | None = None) -> None:
         every_steps = config.checkpoint.every_steps
         seconds = stop_deadline_s(stop, config.dist.timeout_s, every_steps, launcher_grace_s())
         path = stacks_file(run_dir, env.rank)
@@ -113,28 +128,12 @@ def stop_deadline(
         stacks.append(handle)
         faulthandler.dump_traceback_later(seconds, exit=True, file=handle)
 
-    def watch() -> None:
-        while data := reader.recv(64):  # empty once the block is left
-            if numbers.intersection(data):
-                arm()
-                return
-
-    previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-    _wakeup_writer = writer
-    watcher = threading.Thread(target=watch, name="stop-deadline", daemon=True)
     if stop.received:  # recorded earlier, even while torch was imported
         arm()
-    else:
-        watcher.start()
     try:
-        yield
+        with stop_signals_watched(arm, enabled=not stop.received):
+            yield
     finally:
-        signal.set_wakeup_fd(previous_fd)
-        _wakeup_writer = None
-        writer.close()
-        if watcher.is_alive():
-            watcher.join()
-        reader.close()
         if stacks:  # it stopped in time: no stacks to show
             faulthandler.cancel_dump_traceback_later()
             stacks[0].close()
@@ -142,6 +141,102 @@ def stop_deadline(
             path.unlink(missing_ok=True)
             with suppress(OSError):  # left only when another rank's stacks are in it
                 path.parent.rmdir()
+
+
+@contextmanager
+def stop_signals_watched(on_signal: Callable[[int], None], enabled: bool = True) -> Iterator[None]:
+    """Inside the block, a thread calls `on_signal(signum)` at the first stop signal, whatever
+    the main thread is doing: the signal's number reaches it through signal.set_wakeup_fd, even
+    while the main thread waits in C code where no Python handler runs."""
+    global _wakeup_writer
+    if not enabled:
+        yield
+        return
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    numbers = {int(signum) for signum in stop_signals()}
+
+    def watch() -> None:
+        while data := reader.recv(64):  # empty once the block is left
+            if received := numbers.intersection(data):
+                on_signal(min(received))
+                return
+
+    previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    _wakeup_writer = writer
+    watcher = threading.Thread(target=watch, name="stop-signal-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous_fd)
+        _wakeup_writer = None
+        writer.close()
+        watcher.join()
+        reader.close()
+
+
+@contextmanager
+def startup_bounded(stop: StopRequests, env: DistEnv, timeout_s: float) -> Iterator[None]:
+    """Inside the block (the process group's start), a rank does not wait longer than
+    2 x timeout_s + STARTUP_MARGIN_S, and a stop signal ends it within STARTUP_STOP_GRACE_S
+    with that signal's status: 75 after SIGTERM, SIGINT or SIGHUP, else 0. Both exits write
+    to stderr what the rank was doing (its Python stacks, for the bound)."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    if env.world_size == 1 or not main_thread:
+        yield
+        return
+    started = threading.Event()
+    exiting = threading.Lock()
+    limit_s = 2 * timeout_s + STARTUP_MARGIN_S
+
+    def leave(message: str, status: int, stacks: bool) -> None:
+        with exiting:
+            if started.is_set():
+                return
+            sys.stderr.write(f"rank {env.rank}: {message}\n")
+            if stacks:
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            sys.stderr.flush()
+            os._exit(status)
+
+    def signalled(signum: int) -> None:
+        if started.wait(STARTUP_STOP_GRACE_S):
+            return  # the group started meanwhile: the stop protocol takes over
+        name = signal.Signals(signum).name
+        status = EXIT_RESUMABLE if signals.STOP_SIGNALS[name] == signals.TERMINATED else 0
+        leave(
+            f"{name} arrived while the process group was still starting: exiting with status "
+            f"{status}. Nothing was trained in this launch, so nothing is lost; the next launch "
+            "resumes from the newest checkpoint.",
+            status,
+            stacks=False,
+        )
+
+    def overdue() -> None:
+        leave(
+            f"the process group did not start within {limit_s:.0f} s (2 x dist.timeout_s + "
+            f"{STARTUP_MARGIN_S:.0f} s): exiting with status 1. A peer cannot be reached at "
+            "the address it advertised (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME), or a port "
+            "between the nodes is blocked (see the launching guide's list of ports); `python "
+            f"-m {__package__}.doctor` names the cause. This rank's Python stacks:",
+            1,
+            stacks=True,
+        )
+
+    timer = threading.Timer(limit_s, overdue)
+    timer.daemon = True
+    timer.start()
+    if stop.received:  # recorded before: even while torch was imported
+        early = threading.Thread(target=signalled, args=(stop.received % 64,), daemon=True)
+        early.start()
+    try:
+        with stop_signals_watched(signalled, enabled=not stop.received):
+            yield
+    finally:
+        with exiting:
+            started.set()
+        timer.cancel()
 
 
 def _forget_wakeup_fd() -> None:
@@ -164,15 +259,16 @@ def is_collective_failure(error: BaseException) -> bool:
 
 
 @contextmanager
-def hangs_reported(run_dir: Path, env: DistEnv, timeout_s: float) -> Iterator[None]:
+def hangs_reported(run_dir: Path, env: DistEnv) -> Iterator[None]:
     """On a collective failure inside the block, write this rank's stacks and name the ranks
-    that are missing; the error then propagates. Enter it inside the process group."""
+    that are missing, with their hosts; the error then propagates. Enter it inside the process
+    group."""
     try:
         yield
     except Exception as error:
         if is_distributed() and is_collective_failure(error):
             write_stacks(stacks_file(run_dir, env.rank), error)
-            name_missing_ranks(error, min(timeout_s, NAMING_WAIT_S), run_dir / "stacks")
+            name_missing_ranks(error, env, run_dir / "stacks")
         raise
 
 
@@ -186,29 +282,89 @@ def write_stacks(path: Path, error: BaseException) -> None:
         faulthandler.dump_traceback(file=handle, all_threads=True)
 
 
-def name_missing_ranks(error: BaseException, wait_s: float, stacks: Path) -> None:
-    """Log the ranks that do not answer on the control group within `wait_s` seconds."""
-    found = _MISSING_RANKS.search(str(error))  # a monitored barrier failed: it named them
-    if found is None:
-        try:
-            barrier(timeout_s=wait_s)
-        except RuntimeError as missing:
-            found = _MISSING_RANKS.search(str(missing))
-            if found is None:  # another rank than 0: only rank 0 learns who is missing
-                log.error(
-                    "a collective failed, and rank 0 did not confirm within %.0f s that every "
-                    "rank is alive: rank 0's log names the missing ranks. Stacks: %s",
-                    wait_s,
-                    stacks,
-                )
-                return
+def name_missing_ranks(
+    error: BaseException, env: DistEnv, stacks: Path, wait_s: float = NAMING_WAIT_S
+) -> None:
+    """Log which ranks (and hosts) do not answer after a failed collective; bounded by `wait_s`
+    on every rank.
+
+    Each rank says it is alive in the rendezvous store. Rank 0 waits `wait_s` for the others and
+    records who is missing; the others wait for that record a little longer. A rank that gets
+    no record lost contact with rank 0 (the store is rank 0's, or its node's).
+    """
+    first_line = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+    peer = _peer_host(error)
+    where = f" (the collective was talking to {peer})" if peer else ""
+    store = rendezvous_store()
+    if store is None:
+        log.error("a collective failed%s: %s. Stacks: %s", where, first_line, stacks)
+        return
+    answers: list[list[int]] = []
+
+    def ask() -> None:
+        naming = dist.PrefixStore("naming", store)
+        naming.set_timeout(timedelta(seconds=wait_s))
+        naming.set(f"alive/{env.rank}", "1")
+        if env.rank == 0:
+            keys = [f"alive/{rank}" for rank in range(env.world_size)]
+            with suppress(dist.DistError):
+                naming.wait(keys, timedelta(seconds=wait_s))
+            missing = [rank for rank, key in enumerate(keys) if not naming.check([key])]
+            naming.set("missing", json.dumps(missing))
         else:
-            log.error("a collective failed, but every rank still answers: %s", error)
-            return
-    log.error(
-        "a collective failed (%s): rank(s) %s did not arrive: hung, or gone. A hung rank writes "
-        "its Python stacks to %s once the launcher stops it; the others have written theirs.",
-        str(error).splitlines()[0][:200],
-        found.group(1).strip(),
-        stacks,
-    )
+            naming.wait(["missing"], timedelta(seconds=wait_s + 2))
+            missing = json.loads(naming.get("missing"))
+        answers.append(missing)
+
+    # In a thread, joined with a bound: a store on a node that is cut off can keep a client
+    # retrying past any timeout it was given.
+    asking = threading.Thread(target=_quietly(ask), name="name-missing-ranks", daemon=True)
+    asking.start()
+    asking.join(wait_s + 4)
+    missing = answers[0] if answers else None
+    if missing is None:
+        lost = roster().host_of(0)
+        log.error(
+            "a collective failed (%s)%s, and rank 0 on %s did not answer within %.0f s: this "
+            "host lost contact with %s (that node is down or cut off from this one), or rank 0 "
+            "is hung. This rank's stacks: %s",
+            first_line,
+            where,
+            lost,
+            wait_s,
+            lost,
+            stacks,
+        )
+    elif missing:
+        log.error(
+            "a collective failed (%s)%s: %s did not answer within %.0f s: hung, gone, or cut "
+            "off from rank 0's node. A hung rank writes its Python stacks to %s once the "
+            "launcher stops it; the others have written theirs.",
+            first_line,
+            where,
+            describe_ranks(missing, roster()),
+            wait_s,
+            stacks,
+        )
+    else:
+        log.error("a collective failed%s, but every rank still answers: %s", where, first_line)
+
+
+def _quietly(function: Callable[[], None]) -> Callable[[], None]:
+    """`function`, its store errors ignored: the caller reads what it found, if anything."""
+
+    def call() -> None:
+        with suppress(dist.DistError, RuntimeError):
+            function()
+
+    return call
+
+
+def _peer_host(error: BaseException) -> str | None:
+    """The host of the peer a gloo error names by its address, e.g. `node02 (10.0.0.2)`."""
+    found = _PEER_ADDRESS.search(str(error))
+    if found is None:
+        return None
+    address = found.group(1)
+    host = roster().host_of_address(address)
+    return f"{host} ({address})" if host else address

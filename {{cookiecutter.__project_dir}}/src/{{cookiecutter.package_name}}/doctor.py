@@ -1,0 +1,640 @@
+"""The preflight check: launched exactly as training is, it says whether this job can train here.
+
+    launch/torchrun.sh --doctor [section.key=value ...]
+    sbatch launch/slurm/train.sbatch --doctor [section.key=value ...]
+    torchrun ... -m <package>.doctor --config configs/default.yaml [overrides] [--json FILE]
+
+Before a long job, it runs on the same nodes, with the same config and overrides, what the
+articles on multi-node training ask to check by hand, and prints one line per check: PASS, WARN
+or FAIL, the value measured, and the fix. It exits 1 on any FAIL (0 otherwise; 2 for a
+setting refused as training refuses it) and rank 0 writes the report as JSON. It trains
+nothing and writes nothing in the run directory but a probe file it removes.
+
+- agreement: code, settings, versions and devices of every rank (agreement.py); the run
+  directory is shared and has room for checkpoint.keep_last + 1 checkpoints; the hosts' clocks.
+- network: the address and interface each rank's gloo uses, with its link speed; no loopback
+  address between hosts; the interfaces GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME name exist
+  on every host; on GPUs, the transport NCCL chose (InfiniBand/RoCE or sockets, GPUDirect).
+- fabric: all-reduce bus bandwidth (busbw, as nccl-tests define it) for every backend at hand,
+  over all ranks and between neighbouring hosts (each host with the next, so that a bad link
+  or node is named), against a floor (--busbw-floor).
+- compute: each rank's matrix-multiply throughput in the training precision, against the
+  fastest: a slow or throttled device is named with its host.
+- data: the loader's throughput with the configured workers against what a few real steps of
+  the task consume; /dev/shm; cores against ranks x workers; pinned memory and persistent
+  workers.
+- environment: the NCCL_*, GLOO_* and TORCH_* variables of every rank (differences named), the
+  locked-memory limit, and the container's CPU limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import network
+from .agreement import (
+    LaunchIncompleteError,
+    LaunchMismatchError,
+    agree_on_launch,
+    describe_ranks,
+    differences,
+    identity,
+    require_shared_run_dir,
+    roster,
+)
+from .checkpoint import checkpoint_size, latest_checkpoint
+from .config import Config
+from .data import loader_workers, usable_cores
+from .distributed import (
+    DistEnv,
+    barrier,
+    control_group,
+    detect_env,
+    gather_objects,
+    is_distributed,
+    process_group,
+)
+from .logs import setup_logging
+from .metrics import MetricsLogger
+from .run_lock import Holder
+from .stopping import StopRequests
+from .storage import run_location, storage_of
+from .task import Task
+from .train import checked_config
+from .trainer import AUTOCAST_DTYPES, Trainer, move_to_device
+from .watchdog import startup_bounded
+
+PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
+#: All-reduce message sizes, in MiB: around DDP's default bucket (25 MiB).
+SIZES_MIB = (1, 16, 64)
+#: Default floors of busbw, in GB/s, below which the fabric is reported as too slow: a 1 Gb/s
+#: link gives about 0.1 GB/s; NCCL between nodes should reach several GB/s.
+FLOORS_GBPS = {"gloo": 0.1, "nccl": 5.0}
+#: A rank or a link slower than this share of the best is named.
+SLOW_SHARE = 0.8
+_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_")
+
+
+@dataclass
+class Check:
+    """One line of the report."""
+
+    name: str
+    verdict: str
+    value: str
+    fix: str = ""
+
+    def line(self) -> str:
+        text = f"{self.verdict}  {self.name:<16} {self.value}"
+        return f"{text}\n      fix: {self.fix}" if self.fix else text
+
+
+class _Disagreed(Exception):
+    """The ranks were not launched alike: reported, and nothing else can be checked."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {__package__}.doctor",
+        description="Preflight check of a job, launched exactly as training is.",
+    )
+    parser.add_argument("--config", type=Path, help="YAML file on top of the defaults")
+    parser.add_argument(
+        "--json", type=Path, default=Path("doctor-report.json"), help="the report, as JSON"
+    )
+    parser.add_argument(
+        "--busbw-floor",
+        type=float,
+        metavar="GBPS",
+        help=f"the least all-reduce busbw in GB/s (default: {FLOORS_GBPS})",
+    )
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    env = detect_env()
+    config = checked_config(args.config, args.overrides, env)
+    if config is None:
+        return 2
+    setup_logging(env.rank)
+    started = time.monotonic()
+    checks: list[Check] = []
+    nccl_log = _log_nccl_transport()
+
+    def agree(store: dist.Store, device: torch.device) -> None:
+        try:
+            agree_on_launch(
+                store, env.rank, env.world_size, identity(config, device), config.dist.timeout_s
+            )
+        except (LaunchMismatchError, LaunchIncompleteError) as error:
+            checks.append(Check("agreement", FAIL, str(error), "launch every node alike"))
+            raise _Disagreed from error
+
+    guard = startup_bounded(StopRequests(enabled=False), env, config.dist.timeout_s)
+    try:
+        with process_group(env, config.dist, agree=agree, starting=guard) as device:
+            checks = _run_checks(config, env, device, args.busbw_floor, nccl_log)
+    except _Disagreed:
+        pass
+    return _finish(checks, env, args.json, time.monotonic() - started)
+
+
+def _run_checks(
+    config: Config, env: DistEnv, device: torch.device, floor: float | None, nccl_log: Path | None
+) -> list[Check]:
+    """Every check, on every rank in the same order (they hold collectives); the report as
+    rank 0 composed it."""
+    checks = [_agreement(env, device)]
+    for check in (_run_dir, _clock_skew, _network, _environment):
+        checks.extend(check(config, env))
+    checks.extend(_fabric(env, device, floor))
+    checks.append(_nccl_transport(device, nccl_log))
+    checks.append(_compute(config, env, device))
+    checks.extend(_data(config, env, device))
+    return gather_objects(checks if env.is_main else None)[0]
+
+
+def _finish(checks: list[Check], env: DistEnv, report: Path, seconds: float) -> int:
+    status = 1 if any(check.verdict == FAIL for check in checks) else 0
+    counts = {kind: sum(check.verdict == kind for check in checks) for kind in (FAIL, WARN, PASS)}
+    summary = (
+        f"doctor: {counts[FAIL]} FAIL, {counts[WARN]} WARN, {counts[PASS]} PASS in "
+        f"{seconds:.1f} s on {env.world_size} rank(s); report: {report.resolve()}"
+    )
+    if env.local_rank == 0:  # every host prints it: a node's own output may be all a user sees
+        print("\n".join(check.line() for check in checks), flush=True)
+        print(summary, flush=True)
+    if env.is_main:
+        document = {
+            "status": status,
+            "seconds": round(seconds, 2),
+            "roster": roster().hosts,
+            "checks": [asdict(check) for check in checks],
+        }
+        report.write_text(json.dumps(document, indent=2) + "\n")
+    return status
+
+
+# --- agreement --------------------------------------------------------------------------------
+
+
+def _agreement(env: DistEnv, device: torch.device) -> Check:
+    versions = identity(None, device)["versions"]
+    return Check(
+        "agreement",
+        PASS,
+        f"code, settings, versions (torch {versions['torch']}, CUDA {versions['cuda']}, NCCL "
+        f"{versions['nccl']}) and devices agree: {_where(env)}",
+    )
+
+
+def _where(env: DistEnv) -> str:
+    return roster().describe() if roster().hosts else f"{env.world_size} rank(s)"
+
+
+def _run_dir(config: Config, env: DistEnv) -> list[Check]:
+    run_dir = run_location(config.run.dir, config.run.local_dir)
+    store = storage_of(run_dir)
+    probe = Holder.of_this_process(0)
+    marker = gather_objects(f".doctor-probe-{probe.token}")[0]  # rank 0's
+    written = None
+    if env.is_main:
+        try:
+            store.make_dirs(run_dir)
+            store.write(
+                run_dir / marker, lambda handle: handle.write(json.dumps(asdict(probe)).encode())
+            )
+        except OSError as error:
+            written = f"rank 0 cannot write in {run_dir}: {error}"
+    written = gather_objects(written)[0]
+    if written:
+        return [Check("run directory", FAIL, written, "make run.dir writable, or choose another")]
+    try:
+        token = probe.token if env.is_main else None
+        require_shared_run_dir(run_dir, config.run.dir, token, env, config.dist.timeout_s, marker)
+        shared = Check("run directory", PASS, f"every rank sees {run_dir}")
+    except LaunchMismatchError as error:
+        shared = Check("run directory", FAIL, str(error), "put run.dir where every node sees it")
+    finally:
+        if env.is_main:
+            with contextlib.suppress(OSError):
+                store.remove(run_dir / marker)
+    return [shared, _room(config, env, run_dir)]
+
+
+def _room(config: Config, env: DistEnv, run_dir: Any) -> Check:
+    """Free space for keep_last + 1 checkpoints: the newest one's size, or the model's."""
+    if not env.is_main:
+        return Check("disk room", SKIP, "")
+    keep = config.checkpoint.keep_last + 1
+    newest = latest_checkpoint(run_dir)
+    if newest is not None:
+        size, source = checkpoint_size(newest), f"{newest.name}'s size"
+    else:
+        model = Task(config.task, seed=config.run.seed).build_model()
+        weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        size, source = 3 * weights, "the weights and AdamW's two moments"
+    free = storage_of(run_dir).free_space(run_dir)
+    needed = f"{keep} checkpoints of about {_gb(size)} ({source})"
+    if free is None:
+        return Check("disk room", PASS, f"{run_dir} is an object store: {needed}")
+    verdict = PASS if free >= keep * size else WARN if free >= size else FAIL
+    fix = "" if verdict == PASS else "free space, lower checkpoint.keep_last, or move run.dir"
+    return Check("disk room", verdict, f"{_gb(free)} free in {run_dir}; needs {needed}", fix)
+
+
+def _clock_skew(config: Config, env: DistEnv) -> list[Check]:
+    barrier(config.dist.timeout_s)
+    clocks = gather_objects(time.time())
+    skew = max(clocks) - min(clocks)
+    slowest, fastest = clocks.index(min(clocks)), clocks.index(max(clocks))
+    value = f"{skew:.3f} s between the hosts' clocks"
+    if skew < 2:
+        return [Check("clock skew", PASS, value)]
+    value += f" ({roster().host_of(fastest)} ahead of {roster().host_of(slowest)})"
+    verdict = WARN if skew < 300 else FAIL
+    fix = "synchronise the clocks (chrony or ntpd on every node): logs interleave wrongly, and "
+    fix += "object stores refuse requests signed more than 15 minutes off"
+    return [Check("clock skew", verdict, value, fix)]
+
+
+# --- network ----------------------------------------------------------------------------------
+
+
+def _network(config: Config, env: DistEnv) -> list[Check]:
+    address = network.gloo_address()
+    interfaces = network.interfaces()
+    used = next((i for i in interfaces.values() if i.address == address), None)
+    master = os.environ.get("MASTER_ADDR", "")
+    try:
+        master_addresses = network.resolve(master) if master else []
+    except OSError:
+        master_addresses = []
+    mine = {
+        "host": socket.gethostname(),
+        "gloo": used.describe() if used else address,
+        "loopback": network.is_loopback(address),
+        "master_loopback": bool(master_addresses)
+        and all(map(network.is_loopback, master_addresses)),
+        "problems": network.interface_problems(),
+    }
+    everyone = gather_objects(mine)
+    hosts = {entry["host"] for entry in everyone}
+    seen = "; ".join(sorted({f"{entry['host']}: {entry['gloo']}" for entry in everyone}))
+    checks = [Check("interfaces", PASS, f"gloo uses {seen}")]
+    problems = sorted({problem for entry in everyone for problem in entry["problems"]})
+    if problems:
+        fix = "name interfaces that exist on every node, or unset the variable"
+        checks.append(Check("socket ifnames", FAIL, "; ".join(problems), fix))
+    else:
+        checks.append(Check("socket ifnames", PASS, "GLOO_/NCCL_SOCKET_IFNAME name existing ones"))
+    if len(hosts) > 1:
+        odd = [rank for rank, entry in enumerate(everyone) if entry["master_loopback"]]
+        loops = [rank for rank, entry in enumerate(everyone) if entry["loopback"]]
+        if odd:
+            checks.append(
+                Check(
+                    "loopback",
+                    FAIL,
+                    f"MASTER_ADDR={master} is a loopback address on "
+                    f"{describe_ranks(odd, roster())}",
+                    "set LOCAL_ADDR on the rank-0 node to its network address",
+                )
+            )
+        elif loops:
+            checks.append(
+                Check(
+                    "loopback",
+                    WARN,
+                    f"gloo on {describe_ranks(loops, roster())} uses a loopback address: other "
+                    "hosts may not reach it",
+                    "set GLOO_SOCKET_IFNAME to the interface the nodes share",
+                )
+            )
+        else:
+            checks.append(Check("loopback", PASS, "no loopback address between the hosts"))
+    return checks
+
+
+def _log_nccl_transport() -> Path | None:
+    """On a GPU, have NCCL log its choice of transport to a scratch directory (unless the user
+    already directs NCCL's log): NCCL reads these variables when its first group starts."""
+    if not torch.cuda.is_available() or "NCCL_DEBUG_FILE" in os.environ:
+        return None
+    directory = Path(tempfile.mkdtemp(prefix="doctor-nccl-"))
+    os.environ.setdefault("NCCL_DEBUG", "INFO")
+    os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
+    os.environ["NCCL_DEBUG_FILE"] = str(directory / "nccl.%h.%p.log")
+    return directory
+
+
+#: What NCCL's INFO log says about the transport it chose, in the order reported.
+_TRANSPORTS = {
+    "NET/IB": "InfiniBand/RoCE",
+    "NET/Socket": "sockets (TCP)",
+    "GDRDMA": "GPUDirect RDMA",
+    "P2P/IPC": "NVLink/PCIe peer-to-peer",
+    "via SHM": "shared memory",
+}
+
+
+def _nccl_transport(device: torch.device, log_dir: Path | None) -> Check:
+    if device.type != "cuda":
+        return Check("nccl transport", SKIP, "no GPU: NCCL is not used")
+    text = ""
+    if log_dir is not None:
+        text = "".join(path.read_text(errors="replace") for path in log_dir.glob("nccl.*"))
+    found = [name for marker, name in _TRANSPORTS.items() if marker in text]
+    everyone = gather_objects(found)
+    hosts = len(roster().hosts)
+    seen = sorted({name for names in everyone for name in names})
+    if not seen:
+        return Check("nccl transport", SKIP, "NCCL's log says nothing (NCCL_DEBUG_FILE is yours)")
+    value = f"NCCL uses {', '.join(seen)}"
+    if hosts > 1 and "sockets (TCP)" in seen and "InfiniBand/RoCE" not in seen:
+        fix = "NCCL fell back to TCP between hosts: check the IB/RoCE drivers (ibv_devinfo), "
+        fix += "NCCL_IB_HCA, and that the container sees /dev/infiniband"
+        return Check("nccl transport", WARN, value, fix)
+    return Check("nccl transport", PASS, value)
+
+
+def _environment(config: Config, env: DistEnv) -> list[Check]:
+    # The interfaces' names may differ between hosts: "socket ifnames" checks they exist.
+    variables = {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith(_ENV_PREFIXES) and k not in network.SOCKET_INTERFACE_VARIABLES
+    }
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    cores, affinity = usable_cores(), _affinity()
+    everyone = gather_objects(
+        {"variables": variables, "memlock": soft, "cores": cores, "affinity": affinity}
+    )
+    checks = []
+    lines = differences(dict(enumerate(e["variables"] for e in everyone)), roster())
+    shown = ", ".join(f"{k}={v}" for k, v in sorted(variables.items())) or "none set"
+    if lines:
+        fix = "set them alike on every node, unless the hardware differs (interface names)"
+        checks.append(Check("environment", WARN, "differ: " + " | ".join(lines), fix))
+    else:
+        checks.append(Check("environment", PASS, f"alike on every rank: {shown}"))
+    limited = [r for r, e in enumerate(everyone) if e["memlock"] != resource.RLIM_INFINITY]
+    if limited and torch.cuda.is_available():
+        checks.append(
+            Check(
+                "memlock",
+                WARN,
+                f"locked memory is limited on {describe_ranks(limited, roster())}: InfiniBand "
+                "and GPUDirect need it unlimited",
+                "ulimit -l unlimited (docker run --ulimit memlock=-1)",
+            )
+        )
+    else:
+        checks.append(Check("memlock", PASS, "unlimited, or no GPU that needs it"))
+    capped = [r for r, e in enumerate(everyone) if e["cores"] < e["affinity"]]
+    if capped:
+        checks.append(
+            Check(
+                "cpu limit",
+                WARN,
+                f"a container limit leaves {describe_ranks(capped, roster())} fewer cores than "
+                "it may run on",
+                "raise the container's CPU limit, or fewer loader workers",
+            )
+        )
+    else:
+        checks.append(Check("cpu limit", PASS, f"{cores} usable core(s) here, no lower limit"))
+    return checks
+
+
+def _affinity() -> int:
+    with contextlib.suppress(AttributeError):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+# --- fabric and compute -----------------------------------------------------------------------
+
+
+def _fabric(env: DistEnv, device: torch.device, floor: float | None) -> list[Check]:
+    if not is_distributed():
+        return [Check("fabric", SKIP, "a single process: nothing to all-reduce")]
+    backends = {"gloo": (control_group(), torch.device("cpu"))}
+    if device.type == "cuda":
+        backends["nccl"] = (None, device)
+    checks = []
+    for name, (group, on) in backends.items():
+        results = {size: _busbw(size << 20, group, on) for size in SIZES_MIB}
+        least = floor if floor is not None else FLOORS_GBPS[name]
+        best = max(results.values())
+        table = ", ".join(f"{size} MiB {bw:.2f}" for size, bw in results.items())
+        verdict = PASS if best >= least else FAIL
+        fix = "" if verdict == PASS else f"the links are slow or shared: run {name} over faster"
+        checks.append(Check(f"busbw {name}", verdict, f"{table} GB/s (floor {least} GB/s)", fix))
+    checks.append(
+        Check("busbw mpi", SKIP, "torch is built with MPI")
+        if dist.is_mpi_available()
+        else Check("busbw mpi", SKIP, "this torch is not built with MPI")
+    )
+    checks.extend(_host_pairs(env, device))
+    return checks
+
+
+def _busbw(size: int, group: dist.ProcessGroup | None, device: torch.device) -> float:
+    """busbw in GB/s of a SUM all-reduce of `size` bytes: the median of a few, after one."""
+    tensor = torch.ones(size // 4, dtype=torch.float32, device=device)
+    ranks = dist.get_world_size(group)
+    times = []
+    for iteration in range(4):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        dist.all_reduce(tensor, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if iteration:
+            times.append(time.perf_counter() - started)
+    slowest = gather_objects(statistics.median(times))
+    return size / max(slowest) * 2 * (ranks - 1) / ranks / 1e9
+
+
+def _host_pairs(env: DistEnv, device: torch.device) -> list[Check]:
+    """busbw between each host's first rank and the next host's, on gloo: a link or node that
+    is slow shows as the host the slow pairs share."""
+    leaders = [host["ranks"][0] for host in roster().hosts]
+    if len(leaders) < 2:
+        return [Check("host pairs", SKIP, "one host: no link between hosts to measure")]
+    neighbours = zip(leaders, leaders[1:] + leaders[:1], strict=True)
+    pairs = sorted({tuple(sorted(pair)) for pair in neighbours})
+    measured = {}
+    for pair in pairs:
+        group = dist.new_group(list(pair), backend="gloo")
+        bandwidth = None
+        if env.rank in pair:
+            bandwidth = _busbw(16 << 20, group, torch.device("cpu"))
+        measured[pair] = max(value or 0.0 for value in gather_objects(bandwidth))
+    best = max(measured.values())
+    slow = {pair: bw for pair, bw in measured.items() if bw < SLOW_SHARE * best}
+    table = ", ".join(
+        f"{roster().host_of(a)}-{roster().host_of(b)} {bw:.2f}" for (a, b), bw in measured.items()
+    )
+    if not slow:
+        return [Check("host pairs", PASS, f"gloo busbw at 16 MiB: {table} GB/s")]
+    named = ", ".join(f"{roster().host_of(a)}-{roster().host_of(b)}" for a, b in slow)
+    return [
+        Check(
+            "host pairs",
+            WARN,
+            f"slower than {SLOW_SHARE:.0%} of the best: {named} ({table} GB/s)",
+            "look at the host the slow pairs share: its link, its NIC, or a busy neighbour",
+        )
+    ]
+
+
+def _compute(config: Config, env: DistEnv, device: torch.device) -> Check:
+    """Matrix-multiply TFLOP/s of each rank in the training precision, against the fastest."""
+    dtype = AUTOCAST_DTYPES[config.train.mixed_precision] or torch.float32
+    if device.type == "cpu" and dtype == torch.float16:
+        dtype = torch.float32  # CPUs multiply fp16 slowly; autocast uses bf16 or fp32 there
+    n = 4096 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    iterations, started = 0, time.perf_counter()
+    while time.perf_counter() - started < 0.5 or iterations < 3:
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        iterations += 1
+    tflops = 2 * n**3 * iterations / (time.perf_counter() - started) / 1e12
+    everyone = gather_objects(tflops)
+    fastest = max(everyone)
+    slow = [rank for rank, value in enumerate(everyone) if value < SLOW_SHARE * fastest]
+    spread = f"{min(everyone):.3g}-{fastest:.3g} TFLOP/s per rank ({dtype}, {n}x{n} matmul)"
+    if not slow:
+        return Check("compute", PASS, spread)
+    return Check(
+        "compute",
+        WARN,
+        f"{describe_ranks(slow, roster())} below {SLOW_SHARE:.0%} of the fastest: {spread}",
+        "a throttled (hot, power-capped) or busy device: nvidia-smi -q -d PERFORMANCE there",
+    )
+
+
+# --- data -------------------------------------------------------------------------------------
+
+
+def _data(config: Config, env: DistEnv, device: torch.device) -> list[Check]:
+    """The loader against a few real steps of the task, in a scratch run directory."""
+    with tempfile.TemporaryDirectory(prefix="doctor-") as scratch:
+        trainer = Trainer(
+            config,
+            Task(config.task, seed=config.run.seed),
+            env,
+            device,
+            Path(scratch),
+            MetricsLogger(Path(scratch), is_main=env.is_main),
+        )
+        loader = trainer.train_loader
+        accumulation = trainer.accumulation_steps
+        steps = max(1, min(10, trainer.steps_per_epoch - 1))
+        per_step = trainer.micro_batch_size * accumulation
+        trainer.sampler.set_epoch(0)
+        batches = iter(loader)
+        warm = [move_to_device(next(batches), device) for _ in range(accumulation)]
+        started = time.perf_counter()  # the workers run: loading at its steady pace
+        timed = [move_to_device(next(batches), device) for _ in range(steps * accumulation)]
+        loading = steps * per_step / (time.perf_counter() - started)
+        trainer.train_step(iter(warm))  # the first step warms up: not timed
+        started = time.perf_counter()  # steps on batches already loaded: the model's pace
+        for step in range(steps):
+            trainer.train_step(iter(timed[step * accumulation : (step + 1) * accumulation]))
+        consuming = steps * per_step / (time.perf_counter() - started)
+        workers, pinned = loader.num_workers, loader.pin_memory
+        persistent = loader.persistent_workers
+        del trainer, batches, loader, warm, timed
+    everyone = gather_objects((loading, consuming))
+    slowest_loader = min(value for value, _ in everyone)
+    fastest_step = max(value for _, value in everyone)
+    value = (
+        f"{slowest_loader:,.0f} samples/s per rank loaded with {workers} worker(s); training "
+        f"consumes {fastest_step:,.0f}"
+    )
+    checks = []
+    if slowest_loader >= 1.5 * fastest_step:
+        checks.append(Check("loader", PASS, value))
+    else:
+        fix = (
+            "raise data.num_workers, or make the data set's __getitem__ cheaper; for samples "
+            "already in memory, data.num_workers=0 can be faster (no hand-over between processes)"
+        )
+        checks.append(Check("loader", WARN, value + ": the loader would hold training back", fix))
+    checks.append(_shared_memory(workers))
+    checks.append(_cores(config, env))
+    in_effect = f"pin_memory {'on' if pinned else 'off'}, persistent workers "
+    in_effect += f"{'on' if persistent else 'off'}, prefetch {config.data.prefetch_factor}"
+    checks.append(Check("loader options", PASS, in_effect + _options_note(device, workers)))
+    return checks
+
+
+def _options_note(device: torch.device, workers: int) -> str:
+    notes = []
+    if device.type != "cuda":
+        notes.append("pinned memory serves GPU copies only")
+    if workers == 0:
+        notes.append("persistent workers and prefetching need data.num_workers > 0")
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
+def _shared_memory(workers: int) -> Check:
+    try:
+        stats = os.statvfs("/dev/shm")
+        size = stats.f_frsize * stats.f_blocks
+    except OSError:
+        return Check("/dev/shm", SKIP, "not mounted here")
+    value = f"{_gb(size)} in /dev/shm"
+    if workers and size < 1 << 30:
+        fix = "docker run --ipc=host (or --shm-size=16g); worker batches pass through /dev/shm"
+        return Check("/dev/shm", WARN, value + f", with {workers} loader worker(s)", fix)
+    return Check("/dev/shm", PASS, value)
+
+
+def _cores(config: Config, env: DistEnv) -> Check:
+    ranks = roster().ranks_on(socket.gethostname()) or env.world_size
+    cores = usable_cores()
+    workers = loader_workers(config.data, ranks, cores)
+    everyone = gather_objects((socket.gethostname(), ranks, workers, cores))
+    crowded = sorted({host for host, r, w, c in everyone if r * w > c})
+    value = "; ".join(
+        sorted({f"{h}: {r} rank(s) x {w} worker(s), {c} cores" for h, r, w, c in everyone})
+    )
+    if crowded:
+        fix = "lower data.num_workers (auto follows the cores)"
+        return Check(
+            "cores", WARN, f"more workers than cores on {', '.join(crowded)}: {value}", fix
+        )
+    return Check("cores", PASS, value)
+
+
+def _gb(size: float) -> str:
+    return f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
