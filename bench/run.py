@@ -19,7 +19,9 @@ OMP_NUM_THREADS=1) with the default task's MLP at micro-batch 32 in fp32:
    and `prepare` in MB/s per worker;
 7. checkpoints (benchmarks/checkpoint_stall.py, one process): how long training stops for a
    synchronous save and for checkpoint.async at a state of 1 GB, and the steps per second
-   while a background save is in flight.
+   while a background save is in flight;
+8. the ranks' agreement before the first step (agreement.py) on 2 and 8 ranks, and the
+   preflight check (`python -m <package>.doctor`) on 2.
 
 Then writes docs/benchmarks.md with the machine, the conditions and the figures.
 """
@@ -53,17 +55,17 @@ NPROC = 2
 CONDITIONS = ["train.micro_batch_size=32", "train.mixed_precision=none", "data.num_workers=0"]
 
 
-def torchrun(args: list[str], project: Path, log: Path) -> subprocess.Popen:
-    """Start `torchrun --standalone --nproc-per-node=2 ARGS` in the project; output to `log`."""
+def torchrun(args: list[str], project: Path, log: Path, nproc: int = NPROC) -> subprocess.Popen:
+    """Start `torchrun --standalone --nproc-per-node=NPROC ARGS` in the project; output to `log`."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += [f"--nproc-per-node={NPROC}", *args]
+    command += [f"--nproc-per-node={nproc}", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(project / "src")}
     with log.open("w") as output:
         return subprocess.Popen(command, cwd=project, env=env, stdout=output, stderr=output)
 
 
-def run(args: list[str], project: Path, log: Path) -> None:
-    process = torchrun(args, project, log)
+def run(args: list[str], project: Path, log: Path, nproc: int = NPROC) -> None:
+    process = torchrun(args, project, log, nproc)
     if process.wait() != 0:
         raise SystemExit(f"failed: torchrun {' '.join(args)}\n{log.read_text()[-4000:]}")
 
@@ -162,6 +164,21 @@ def before(ref: str, project: Path, args: argparse.Namespace) -> dict:
     figures = json.loads(result.read_text())
     figures["plain"]["bitwise_equal_to_trainer"] = figures["weights_bitwise_equal"]
     return {"ref": ref, **figures}
+
+
+def agreement(project: Path) -> dict:
+    """The agreement's cost on 2 and 8 ranks (agreement.py), and the doctor's run on 2."""
+    figures = {}
+    for nproc in (NPROC, 8):
+        result = OUT / f"agreement-{nproc}.json"
+        log = OUT / f"agreement-{nproc}.log"
+        run([str(BENCH / "agreement.py"), f"--json={result}"], project, log, nproc)
+        figures[str(nproc)] = json.loads(result.read_text())
+    report = OUT / "doctor.json"
+    args = ["-m", f"{PACKAGE}.doctor", f"--json={report}", f"run.dir={OUT / 'doctor-run'}"]
+    run(args, project, OUT / "doctor.log")
+    figures["doctor_s"] = json.loads(report.read_text())["seconds"]
+    return figures
 
 
 def script_figures(project: Path, script: str, *options: str) -> dict:
@@ -380,6 +397,7 @@ def document(figures: dict) -> str:
         ),
         "",
         *scale_sections(figures["shards"], figures["stall"]),
+        *agreement_section(figures["agreement"]),
         "## On GPUs",
         "",
         "The figures above are CPU figures. On a GPU machine, the generated project measures",
@@ -455,6 +473,33 @@ def scale_sections(shards: dict, stall: dict) -> list[str]:
     ]
 
 
+def agreement_section(figures: dict) -> list[str]:
+    """The section of docs/benchmarks.md on the agreement before the first step."""
+    rows = [
+        f"| {size} | {ms(entry['agreement_s'])} | {ms(entry['identity_s'])} | "
+        f"{entry['identity_bytes'] / 1000:.1f} kB |"
+        for size, entry in figures.items()
+        if size != "doctor_s"
+    ]
+    return [
+        "## The ranks' agreement before the first step",
+        "",
+        "Once per launch, before the process group starts, every rank posts its identity (host,",
+        "device, versions, a digest of each source file, the resolved config) in the rendezvous",
+        "store and reads rank 0's verdict (`bench/agreement.py`: with every rank past a barrier,",
+        "the median of 10 exchanges, the slowest rank's; building the identity apart). It adds",
+        "nothing to a step: the step's collectives are the same as before.",
+        "",
+        "| ranks | agreement | building the identity | identity posted |",
+        "| --- | --- | --- | --- |",
+        *rows,
+        "",
+        f"The preflight check (`python -m {PACKAGE}.doctor`, every check on {NPROC} ranks, one",
+        f"host) took {figures['doctor_s']:.1f} s.",
+        "",
+    ]
+
+
 def human(size: int) -> str:
     for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if size >= factor:
@@ -489,6 +534,8 @@ def main() -> int:
     figures["shards"]["gpt_tokens_per_s"] = gpt_tokens_per_s()
     print("checkpoint stall ...", flush=True)
     figures["stall"] = script_figures(project, "checkpoint_stall")
+    print("the ranks' agreement and the doctor ...", flush=True)
+    figures["agreement"] = agreement(project)
     if args.before:
         print(f"the Trainer of {args.before} ...", flush=True)
         figures["before"] = before(args.before, project, args)

@@ -1,8 +1,8 @@
 """Real launch engines for the launcher tests: a one-node Slurm cluster and network-namespace hosts.
 
-Both need root and system packages (slurm-wlm, munge, iproute2). Where they are missing the
-tests are skipped with the reason, unless REQUIRE_LAUNCH_ENGINES=1 (set by CI) turns the skip
-into a failure, so that CI can never pass without having run them.
+Both need root and system packages (slurm-wlm, munge, iproute2, iptables). Where they are
+missing the tests are skipped with the reason, unless REQUIRE_LAUNCH_ENGINES=1 (set by CI)
+turns the skip into a failure, so that CI can never pass without having run them.
 """
 
 from __future__ import annotations
@@ -32,9 +32,8 @@ def require_root_and(*programs: str) -> None:
         unavailable("needs root (to start Slurm daemons and create network namespaces)")
     missing = [program for program in programs if shutil.which(program) is None]
     if missing:
-        unavailable(
-            f"{', '.join(missing)} not installed (apt-get install slurm-wlm munge iproute2)"
-        )
+        packages = "slurm-wlm munge iproute2 iptables"
+        unavailable(f"{', '.join(missing)} not installed (apt-get install {packages})")
 
 
 def free_port() -> int:

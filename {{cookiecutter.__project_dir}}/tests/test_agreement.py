@@ -9,10 +9,18 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils.data import TensorDataset
 
-from {{ cookiecutter.package_name }}.agreement import Roster, describe_ranks, judge
+from {{ cookiecutter.package_name }}.agreement import (
+    LaunchMismatchError,
+    Roster,
+    agree_on_data,
+    describe_ranks,
+    judge,
+)
 
-from .helpers import FAST, run_torchrun, write_fault_entry
+from .helpers import FAST, run_torchrun, spawn, write_fault_entry
 
 ROSTER = Roster(
     [
@@ -145,7 +153,7 @@ def test_a_run_directory_one_rank_does_not_see_is_refused_before_anything_is_wri
     ranks_dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
     fault = f'os.chdir({ranks_dirs!r}[int(os.environ["RANK"])])\n'
     result = run_torchrun(
-        2, [*FAST, "run.dir=run", "dist.timeout_s=5"], entry=write_fault_entry(tmp_path, fault)
+        2, [*FAST, "run.dir=run", "dist.timeout_s=2"], entry=write_fault_entry(tmp_path, fault)
     )
     _assert_every_rank_refused(result.stderr, "run.dir=run is not shared: rank 1 on")
     assert "relative to each node's working directory" in result.stderr
@@ -153,22 +161,22 @@ def test_a_run_directory_one_rank_does_not_see_is_refused_before_anything_is_wri
     assert not (tmp_path / "b" / "run").exists()
 
 
+def _build_other_data(rank: int, world_size: int) -> str | None:
+    """Rank 1 built one training sample fewer and loads in worker processes: what each rank
+    is told."""
+    train = TensorDataset(torch.arange(512 - rank))
+    try:
+        agree_on_data({"training set": train}, {"loads in worker processes": rank == 1})
+    except LaunchMismatchError as error:
+        return str(error)
+    return None
+
+
 @pytest.mark.distributed
-@pytest.mark.faults
+@pytest.mark.standalone
 def test_ranks_that_built_other_data_stop_together_naming_the_sizes(tmp_path: Path) -> None:
-    fault = _on_rank_1(
-        """
-from torch.utils.data import Subset
-from {{ cookiecutter.package_name }}.task import Task
-build = Task.build_datasets
-def fewer(self):
-    train_set, eval_set = build(self)
-    return Subset(train_set, range(len(train_set) - 1)), eval_set
-Task.build_datasets = fewer
-"""
-    )
-    result = run_torchrun(
-        2, [*FAST, f"run.dir={tmp_path / 'run'}"], entry=write_fault_entry(tmp_path, fault)
-    )
-    _assert_every_rank_refused(result.stderr, "the ranks built different data")
-    assert "training set samples:" in result.stderr
+    for message in spawn(2, _build_other_data, workdir=tmp_path):
+        assert message is not None and "the ranks built different data" in message
+        assert "training set samples: 512 on rank 0" in message
+        assert "511 on rank 1" in message
+        assert "loads in worker processes: False on rank 0" in message

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from {{ cookiecutter.package_name }}.checkpoint import COMPLETE_MARKER, latest_checkpoint
-from {{ cookiecutter.package_name }}.config import DistConfig
+from {{ cookiecutter.package_name }}.config import ConfigError, DistConfig
 from {{ cookiecutter.package_name }}.distributed import (
     DistEnv,
     DistributedError,
@@ -153,6 +153,14 @@ def test_cpu_device_uses_gloo() -> None:
 def test_nccl_on_cpu_is_a_clear_error() -> None:
     with pytest.raises(DistributedError, match="nccl needs CUDA"):
         select_backend(torch.device("cpu"), DistConfig(backend="nccl"))
+
+
+@pytest.mark.skipif(
+    torch.distributed.is_mpi_available(), reason="checks the refusal where torch lacks MPI"
+)
+def test_the_mpi_backend_without_mpi_in_torch_is_refused_saying_why() -> None:
+    with pytest.raises(ConfigError, match="needs a torch built with MPI"):
+        select_backend(torch.device("cpu"), DistConfig(backend="mpi"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")

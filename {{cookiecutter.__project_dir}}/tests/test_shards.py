@@ -79,6 +79,16 @@ def test_windows_across_shard_boundaries_equal_those_of_one_big_shard(
         assert all(torch.equal(a, b) for a, b in zip(one[index], many[index], strict=True))
 
 
+def test_the_fingerprint_the_ranks_compare_follows_the_tokens(
+    tmp_path: Path, tokens: np.ndarray
+) -> None:
+    """The same corpus prepared on two nodes has one fingerprint; another corpus another."""
+    first = TokenWindows(make_shards(tmp_path / "a", tokens, 30), "train", BLOCK)
+    again = TokenWindows(make_shards(tmp_path / "b", tokens, 30), "train", BLOCK)
+    other = TokenWindows(make_shards(tmp_path / "c", tokens[::-1].copy(), 30), "train", BLOCK)
+    assert first.fingerprint == again.fingerprint != other.fingerprint
+
+
 def test_uint16_holds_65536_tokens_and_larger_vocabularies_take_uint32() -> None:
     assert token_dtype(256) == token_dtype(2**16) == "uint16"
     assert token_dtype(2**16 + 1) == token_dtype(2**32) == "uint32"

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from pathlib import Path
 
 import pytest
 
-from {{ cookiecutter.package_name }}.config import ConfigError
+from {{ cookiecutter.package_name }}.config import Config, ConfigError, DataConfig
+from {{ cookiecutter.package_name }}.data import usable_cores
 from {{ cookiecutter.package_name }}.metrics import read_metrics
 from {{ cookiecutter.package_name }}.train import main
 from {{ cookiecutter.package_name }}.trainer import batch_split, warmup_cosine
 
-from .helpers import FAST
+from .helpers import FAST, make_trainer
 
 
 @pytest.mark.parametrize(
@@ -83,3 +85,20 @@ def test_second_launch_with_the_same_command_resumes(tmp_path: Path) -> None:
     records = read_metrics(tmp_path / "run")
     assert main(args) == 0
     assert read_metrics(tmp_path / "run") == records
+
+
+def test_more_loader_workers_than_cores_are_warned_about(
+    fast_config: Config, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = dataclasses.replace(fast_config, data=DataConfig(num_workers=usable_cores() + 1))
+    make_trainer(config)
+    assert "loader workers on" in caplog.text and "exceed its" in caplog.text
+
+
+def test_auto_loader_workers_are_said_in_one_line(
+    fast_config: Config, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO")
+    make_trainer(dataclasses.replace(fast_config, data=DataConfig(num_workers="auto")))
+    assert "data.num_workers=auto:" in caplog.text
+    assert "exceed its" not in caplog.text

@@ -157,7 +157,8 @@ def _device(device: torch.device) -> str:
     if device.type != "cuda":
         return device.type
     major, minor = torch.cuda.get_device_capability(device)
-    return f"{torch.cuda.get_device_name(device)} (capability {major}.{minor})"
+    memory = torch.cuda.get_device_properties(device).total_memory / 2**30
+    return f"{torch.cuda.get_device_name(device)} (capability {major}.{minor}, {memory:.0f} GiB)"
 
 
 def agree_on_launch(

@@ -430,11 +430,13 @@ def _wait_for_goodbyes(connections: list[socket.socket], wait_s: float = 5.0) ->
 
 def _join_meeting(me: Node, host: str, port: int, timeout_s: float) -> list[Node]:
     deadline = time.monotonic() + timeout_s
+    margin = min(PROGRESS_S, timeout_s)
     next_progress = time.monotonic() + PROGRESS_S
     connection = None
     while connection is None:
         try:
-            connection = socket.create_connection((host, port), timeout=5)
+            wait_s = min(5.0, max(0.5, deadline - time.monotonic()))
+            connection = socket.create_connection((host, port), timeout=wait_s)
         except OSError as error:
             reason = _connect_failure(error, host, port)
             now = time.monotonic()
@@ -455,9 +457,10 @@ def _join_meeting(me: Node, host: str, port: int, timeout_s: float) -> list[Node
         heard = time.monotonic()
         while True:
             now = time.monotonic()
-            # The host gives its verdict by its own deadline; it says something every
-            # PROGRESS_S meanwhile. Silence beyond both is not a rendezvous of this project.
-            if now >= deadline + PROGRESS_S or now - heard > 2 * PROGRESS_S:
+            # The host gives its verdict by its own deadline, which a node started at about
+            # the same time reaches soon after its own; it says something every PROGRESS_S
+            # meanwhile. Silence beyond both is not a rendezvous of this project.
+            if now >= deadline + margin or now - heard > 2 * PROGRESS_S:
                 raise LaunchRefused(
                     f"{host}:{port} accepted {me.host} but gave no word for "
                     f"{now - heard:.0f} s: the rendezvous node stopped, or another program "
@@ -465,7 +468,7 @@ def _join_meeting(me: Node, host: str, port: int, timeout_s: float) -> list[Node
                     status=1,
                 )
             if b"\n" not in received:
-                connection.settimeout(min(PROGRESS_S, deadline + PROGRESS_S - now))
+                connection.settimeout(min(PROGRESS_S, deadline + margin - now))
                 try:
                     data = connection.recv(65536)
                 except TimeoutError:

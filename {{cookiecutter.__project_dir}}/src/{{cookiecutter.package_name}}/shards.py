@@ -211,6 +211,9 @@ class TokenWindows(Dataset):
         shards = manifest.splits[split]
         self.files = [directory / shard["file"] for shard in shards]
         self.ends = np.cumsum([shard["tokens"] for shard in shards]).tolist()
+        #: The split's content, from its shards' digests: the ranks compare it before training.
+        digests = "".join(shard["sha256"] for shard in shards)
+        self.fingerprint = hashlib.sha256(digests.encode()).hexdigest()
         self.dtype = np.dtype(manifest.dtype).newbyteorder("<")
         self.block_size = block_size
         tokens = self.ends[-1] if self.ends else 0

@@ -105,6 +105,7 @@ class Task(TaskBase):
 
 from __future__ import annotations
 
+import hashlib
 import random
 from pathlib import Path
 
@@ -167,6 +168,12 @@ class ByteWindows(Dataset):
         self.data = data
         self.block_size = block_size
         self.num_samples = num_samples
+
+    @property
+    def fingerprint(self) -> str:
+        """The text's digest: the ranks compare it before training, so that a node with
+        another file at task.text_path is refused."""
+        return hashlib.sha256(self.data.numpy().tobytes()).hexdigest()
 
     def __len__(self) -> int:
         return self.num_samples
