@@ -490,7 +490,7 @@ def agreement_section(figures: dict) -> list[str]:
         "the median of 10 exchanges, the slowest rank's; building the identity apart). It adds",
         "nothing to a step: the step's collectives are the same as before.",
         "",
-        "| ranks | agreement | building the identity | identity posted |",
+        "| ranks | agreement, ms | building the identity, ms | identity posted |",
         "| --- | --- | --- | --- |",
         *rows,
         "",

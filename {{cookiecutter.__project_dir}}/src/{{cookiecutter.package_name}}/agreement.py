@@ -112,21 +112,17 @@ def roster() -> Roster:
     return _roster
 
 
-def identity(config: Config | None, device: torch.device, refusal: str | None = None) -> dict:
-    """What this rank compares with the others: where it runs and what it would train.
-
-    `config` None with a `refusal`: this rank could not read its settings, and says why.
-    """
+def identity(config: Config | None, device: torch.device) -> dict:
+    """What this rank compares with the others: where it runs and what it would train
+    (without a `config`: where it runs, and its versions)."""
     return {
         "host": socket.gethostname(),
         "addresses": [interface.address for interface in network.network_interfaces()],
-        "cwd": os.getcwd(),
         "device": _device(device),
         "versions": versions(),
         "code": {"package": __version__, "files": source_digests()},
         "config": {} if config is None else flatten(config.to_dict()),
         "allow_mixed_devices": config is not None and config.dist.allow_mixed_devices,
-        "refusal": refusal,
     }
 
 
@@ -263,7 +259,7 @@ def judge(identities: Mapping[int, dict], roster_: Roster) -> list[str]:
         return [*lines, "Fix the settings there, then launch again."]
     problems = []
     for aspect in _ASPECTS:
-        allowed = all(found["allow_mixed_devices"] for found in identities.values())
+        allowed = all(found.get("allow_mixed_devices") for found in identities.values())
         if aspect == "device" and allowed:
             continue
         lines = _differences(aspect, identities, roster_)
@@ -294,19 +290,20 @@ _ASPECT_TITLES = {
 
 
 def _differences(aspect: str, identities: Mapping[int, dict], roster_: Roster) -> list[str]:
-    """One line per differing key of `aspect` (see differences)."""
+    """One line per differing key of `aspect` (see differences). A key that an identity lacks
+    (one posted by another release) counts as `absent`."""
     if aspect == "code":
-        values = {
-            rank: {
-                "package": found["code"]["package"],
-                **{name: f"digest {digest}" for name, digest in found["code"]["files"].items()},
-            }
-            for rank, found in identities.items()
-        }
+        values = {}
+        for rank, found in identities.items():
+            code = found.get("code", {})
+            files = {name: f"digest {digest}" for name, digest in code.get("files", {}).items()}
+            values[rank] = {"package": code.get("package", "absent"), **files}
     elif aspect == "device":
-        values = {rank: {"device": found["device"]} for rank, found in identities.items()}
+        values = {
+            rank: {"device": found.get("device", "absent")} for rank, found in identities.items()
+        }
     else:
-        values = {rank: found[aspect] for rank, found in identities.items()}
+        values = {rank: found.get(aspect, {}) for rank, found in identities.items()}
     return differences(values, roster_)
 
 

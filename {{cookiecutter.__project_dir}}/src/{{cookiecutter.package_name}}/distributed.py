@@ -208,26 +208,14 @@ def process_group(
     needs it. On an exception there is no barrier (the peers may be gone or hung): the group is
     destroyed and the error propagates: the process exits non-zero and the launcher ends the job.
     """
-    global _store
     device = select_device(env, config)
     if env.world_size > 1:
         with starting or nullcontext():
-            backend = select_backend(device, config)
-            timeout = timedelta(seconds=config.timeout_s)
-            _store = open_store(env, timeout)
-            if agree is not None:
-                agree(_store, device)
-            options: dict[str, Any] = {}
-            if backend != "mpi":  # MPI knows its ranks and needs no store
-                options = {"store": dist.PrefixStore("default_pg", _store)}
-                options.update(rank=env.rank, world_size=env.world_size)
-            dist.init_process_group(
-                backend=backend,
-                timeout=timeout,
-                device_id=device if device.type == "cuda" else None,
-                **options,
-            )
-            start_control_group(config.barrier_timeout_s, config.timeout_s)
+            try:
+                _start(env, config, device, agree)
+            except BaseException:
+                destroy_process_groups()
+                raise
     try:
         yield device
     except BaseException:
@@ -239,6 +227,32 @@ def process_group(
         gc.collect()
         barrier()
     destroy_process_groups()
+
+
+def _start(
+    env: DistEnv,
+    config: DistConfig,
+    device: torch.device,
+    agree: Callable[[dist.Store, torch.device], object] | None,
+) -> None:
+    """Meet in the rendezvous store, agree, then start the default group and the gloo ones."""
+    global _store
+    backend = select_backend(device, config)
+    timeout = timedelta(seconds=config.timeout_s)
+    _store = open_store(env, timeout)
+    if agree is not None:
+        agree(_store, device)
+    options: dict[str, Any] = {}
+    if backend != "mpi":  # MPI knows its ranks and needs no store
+        options = {"store": dist.PrefixStore("default_pg", _store)}
+        options.update(rank=env.rank, world_size=env.world_size)
+    dist.init_process_group(
+        backend=backend,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+        **options,
+    )
+    start_control_group(config.barrier_timeout_s, config.timeout_s)
 
 
 def start_control_group(timeout_s: float, step_timeout_s: float | None = None) -> None:
