@@ -18,8 +18,9 @@ venv: $(VENV)/.installed
 ## files' variants, a pairwise cover rendered whole, hook errors, the rendered projects' own
 ## suites (2-process gloo training included) and the launchers on real engines. The long tests
 ## are collected first and --no-loadscope-reorder keeps that order, so both workers end together.
+## The slowest tests are listed at the end: the suite has a time budget (README).
 test: venv
-	$(BIN)/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder
+	$(BIN)/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder --durations=25
 
 lint: venv
 	$(BIN)/ruff check .

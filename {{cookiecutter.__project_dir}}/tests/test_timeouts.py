@@ -15,6 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
+
+from {{ cookiecutter.package_name }} import watchdog
+from {{ cookiecutter.package_name }}.distributed import DistEnv
 
 from .helpers import FAST, run_torchrun, write_fault_entry
 
@@ -147,3 +151,39 @@ def _running(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+class _SilentStore:
+    """A store in which the keys waited for never appear: counts the polls."""
+
+    def __init__(self) -> None:
+        self.polls = 0
+
+    def wait(self, keys: list[str], timeout: object) -> None:
+        self.polls += 1
+        raise dist.DistStoreError("Timeout")
+
+
+def test_rank_0_waits_the_whole_naming_bound_for_an_answer_while_no_stop_signal_came() -> None:
+    store = _SilentStore()
+    waited = watchdog._wait_for_answers(store, ["alive/1"], 2.0, stopped=lambda: False)
+    assert (waited, store.polls) == (2.0, 2.0 / watchdog.NAMING_POLL_S)
+
+
+def test_rank_0_stops_waiting_for_answers_soon_after_a_stop_signal() -> None:
+    """torchrun ends the others as soon as a worker dies: rank 0 names who is missing then,
+    instead of waiting the whole bound for a rank that is gone."""
+    store = _SilentStore()
+    waited = watchdog._wait_for_answers(store, ["alive/1"], 600.0, stopped=lambda: True)
+    assert waited == watchdog.NAMING_AFTER_STOP_S
+    assert store.polls == watchdog.NAMING_AFTER_STOP_S / watchdog.NAMING_POLL_S
+
+
+def test_a_rank_that_never_answers_is_named_with_the_time_rank_0_waited(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(watchdog, "rendezvous_store", dist.HashStore)
+    error = RuntimeError("Connection closed by peer [10.0.0.2]:41234")
+    env = DistEnv(rank=0, local_rank=0, world_size=2, launcher="torchrun")
+    watchdog.name_missing_ranks(error, env, tmp_path, wait_s=600, stopped=lambda: True)
+    assert "rank 1 on an unknown host did not answer within 1 s: hung, gone" in caplog.text

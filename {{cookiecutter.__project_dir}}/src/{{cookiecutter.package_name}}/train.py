@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             ) as device,
             owned_run_dir(run_dir, env) as lock,
             stop_deadline(stop, env, local_dir, config),
-            hangs_reported(local_dir, env),
+            hangs_reported(local_dir, env, config.dist.timeout_s, stop),
         ):
             token = lock.me.token if lock else None
             require_shared_run_dir(run_dir, config.run.dir, token, env, config.dist.timeout_s)

@@ -7,10 +7,11 @@
   in a connect that no Python handler can interrupt.
 - A collective fails (gloo gives up after `dist.timeout_s`, or a peer is gone): every rank that
   sees the error writes its Python stacks to `<run.dir>/stacks/rank_<N>.txt`, then tells the
-  others through the rendezvous store that it is alive. Rank 0 waits NAMING_WAIT_S for them and
-  names the ranks that did not answer, with their hosts: hung, dead, or cut off; every other
-  rank reads that answer, or, when rank 0 does not give it in time, names rank 0's host as the
-  one it lost contact with. Every wait there is bounded by NAMING_WAIT_S, on every rank.
+  others through the rendezvous store that it is alive. Rank 0 waits for them NAMING_WAIT_S
+  (at most dist.timeout_s), or NAMING_AFTER_STOP_S once the launcher stops the job (a worker
+  died), and names the ranks that did not answer, with their hosts: hung, dead, or cut off;
+  every other rank reads that answer, or, when rank 0 does not give it in time, names rank 0's
+  host as the one it lost contact with. Every wait there is bounded, on every rank.
 - A rank got a stop signal (torchrun ending the job after that failure, a preemption) and has
   not exited in time: it is hung, and its Python handler may never run (a wait in C code). A
   thread reads the signal from signal.set_wakeup_fd, which works whatever the main thread does,
@@ -64,6 +65,10 @@ KILL_MARGIN_S = 5.0
 #: The longest wait for the other ranks after a collective failed: they failed at about the
 #: same moment, since they were waiting in the same collective.
 NAMING_WAIT_S = 10.0
+#: The wait for them once a stop signal arrived: the launcher is ending the job, after a worker
+#: died (torchrun stops the others within a fraction of a second).
+NAMING_AFTER_STOP_S = 1.0
+NAMING_POLL_S = 0.25
 #: Start-up: the agreement and the group's start each wait at most dist.timeout_s; this is
 #: added for everything else (a slow CUDA initialisation, a loaded machine).
 STARTUP_MARGIN_S = 30.0
@@ -259,16 +264,24 @@ def is_collective_failure(error: BaseException) -> bool:
 
 
 @contextmanager
-def hangs_reported(run_dir: Path, env: DistEnv) -> Iterator[None]:
+def hangs_reported(
+    run_dir: Path, env: DistEnv, timeout_s: float, stop: StopRequests
+) -> Iterator[None]:
     """On a collective failure inside the block, write this rank's stacks and name the ranks
     that are missing, with their hosts; the error then propagates. Enter it inside the process
-    group."""
+    group. The ranks wait for each other at most `timeout_s` (dist.timeout_s) there too."""
     try:
         yield
     except Exception as error:
         if is_distributed() and is_collective_failure(error):
             write_stacks(stacks_file(run_dir, env.rank), error)
-            name_missing_ranks(error, env, run_dir / "stacks")
+            name_missing_ranks(
+                error,
+                env,
+                run_dir / "stacks",
+                wait_s=min(timeout_s, NAMING_WAIT_S),
+                stopped=lambda: bool(stop.received),
+            )
         raise
 
 
@@ -283,14 +296,21 @@ def write_stacks(path: Path, error: BaseException) -> None:
 
 
 def name_missing_ranks(
-    error: BaseException, env: DistEnv, stacks: Path, wait_s: float = NAMING_WAIT_S
+    error: BaseException,
+    env: DistEnv,
+    stacks: Path,
+    wait_s: float = NAMING_WAIT_S,
+    stopped: Callable[[], bool] = lambda: False,
 ) -> None:
     """Log which ranks (and hosts) do not answer after a failed collective; bounded by `wait_s`
     on every rank.
 
     Each rank says it is alive in the rendezvous store. Rank 0 waits `wait_s` for the others and
     records who is missing; the others wait for that record a little longer. A rank that gets
-    no record lost contact with rank 0 (the store is rank 0's, or its node's).
+    no record lost contact with rank 0 (the store is rank 0's, or its node's). Once a stop
+    signal has arrived (`stopped()`: the launcher ends the job, as torchrun does as soon as a
+    worker dies), rank 0 waits only NAMING_AFTER_STOP_S: the ranks that are alive answered
+    within moments of the failure, which they saw too.
     """
     first_line = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
     peer = _peer_host(error)
@@ -299,7 +319,7 @@ def name_missing_ranks(
     if store is None:
         log.error("a collective failed%s: %s. Stacks: %s", where, first_line, stacks)
         return
-    answers: list[list[int]] = []
+    answers: list[tuple[list[int], float]] = []
 
     def ask() -> None:
         naming = dist.PrefixStore("naming", store)
@@ -307,21 +327,20 @@ def name_missing_ranks(
         naming.set(f"alive/{env.rank}", "1")
         if env.rank == 0:
             keys = [f"alive/{rank}" for rank in range(env.world_size)]
-            with suppress(dist.DistError):
-                naming.wait(keys, timedelta(seconds=wait_s))
+            waited_s = _wait_for_answers(naming, keys, wait_s, stopped)
             missing = [rank for rank, key in enumerate(keys) if not naming.check([key])]
-            naming.set("missing", json.dumps(missing))
+            naming.set("missing", json.dumps([missing, waited_s]))
         else:
             naming.wait(["missing"], timedelta(seconds=wait_s + 2))
-            missing = json.loads(naming.get("missing"))
-        answers.append(missing)
+            missing, waited_s = json.loads(naming.get("missing"))
+        answers.append((missing, waited_s))
 
     # In a thread, joined with a bound: a store on a node that is cut off can keep a client
     # retrying past any timeout it was given.
     asking = threading.Thread(target=_quietly(ask), name="name-missing-ranks", daemon=True)
     asking.start()
     asking.join(wait_s + 4)
-    missing = answers[0] if answers else None
+    missing, waited_s = answers[0] if answers else (None, wait_s)
     if missing is None:
         lost = roster().host_of(0)
         log.error(
@@ -343,11 +362,27 @@ def name_missing_ranks(
             first_line,
             where,
             describe_ranks(missing, roster()),
-            wait_s,
+            waited_s,
             stacks,
         )
     else:
         log.error("a collective failed%s, but every rank still answers: %s", where, first_line)
+
+
+def _wait_for_answers(
+    store: dist.Store, keys: list[str], wait_s: float, stopped: Callable[[], bool]
+) -> float:
+    """Wait until every key is set, at most `wait_s`, or NAMING_AFTER_STOP_S once `stopped()`;
+    returns the seconds waited (counted in polls, which a store that is gone ends early)."""
+    waited = 0.0
+    while waited < wait_s and not (stopped() and waited >= NAMING_AFTER_STOP_S):
+        poll = min(NAMING_POLL_S, wait_s - waited)
+        try:
+            store.wait(keys, timedelta(seconds=poll))
+            break
+        except dist.DistError:
+            waited += poll
+    return waited
 
 
 def _quietly(function: Callable[[], None]) -> Callable[[], None]:
