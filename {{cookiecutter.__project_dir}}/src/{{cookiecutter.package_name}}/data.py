@@ -22,13 +22,18 @@ from .rng import seed_all
 MAX_AUTO_WORKERS = 8
 
 
-def usable_cores() -> int:
-    """The cores this process may run on: its CPU affinity (Slurm's binding, taskset), within
-    a container's CPU limit (the cgroup's quota), at least 1."""
+def affinity_cores() -> int:
+    """The cores this process may run on by its CPU affinity (Slurm's binding, taskset)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
+        return os.cpu_count() or 1
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity, within a container's CPU limit
+    (the cgroup's quota), at least 1."""
+    cores = affinity_cores()
     quota = _cgroup_cpu_limit()
     if quota is not None:
         cores = min(cores, max(1, math.ceil(quota)))

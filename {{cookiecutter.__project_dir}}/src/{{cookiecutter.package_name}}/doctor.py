@@ -59,7 +59,7 @@ from .agreement import (
 )
 from .checkpoint import checkpoint_size, latest_checkpoint
 from .config import Config
-from .data import loader_workers, usable_cores
+from .data import affinity_cores, loader_workers, usable_cores
 from .distributed import (
     DistEnv,
     barrier,
@@ -383,7 +383,7 @@ def _environment(config: Config, env: DistEnv) -> list[Check]:
         if k.startswith(_ENV_PREFIXES) and k not in network.SOCKET_INTERFACE_VARIABLES
     }
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    cores, affinity = usable_cores(), _affinity()
+    cores, affinity = usable_cores(), affinity_cores()
     everyone = gather_objects(
         {"variables": variables, "memlock": soft, "cores": cores, "affinity": affinity}
     )
@@ -422,12 +422,6 @@ def _environment(config: Config, env: DistEnv) -> list[Check]:
     else:
         checks.append(Check("cpu limit", PASS, f"{cores} usable core(s) here, no lower limit"))
     return checks
-
-
-def _affinity() -> int:
-    with contextlib.suppress(AttributeError):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 # --- fabric and compute -----------------------------------------------------------------------
