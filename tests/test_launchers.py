@@ -282,6 +282,16 @@ LONG_RUN = [
     "train.log_every=500",
     "checkpoint.every_steps=100",
 ]
+#: A run that no test lets finish: the torchrun tests stop it by a signal, however long the
+#: launches they make meanwhile take on a loaded machine.
+UNENDING_STEPS = 1_000_000
+UNENDING_RUN = [
+    *SHORT_RUN,
+    "train.epochs=100000",
+    f"train.max_steps={UNENDING_STEPS}",
+    "train.log_every=500",
+    "checkpoint.every_steps=100",
+]
 
 
 def project_env(project: Path, **extra: str) -> dict[str, str]:
@@ -307,7 +317,7 @@ def test_usr1_stops_a_torchrun_run_after_one_step_with_a_checkpoint(
     Meanwhile a second launch on the same run directory is refused with exit status 4."""
     launch, run_dir, log = start_torchrun_run(project, tmp_path)
     second = subprocess.run(  # while the first one runs: another job holds the run directory
-        ["bash", "launch/torchrun.sh", *LONG_RUN, f"run.dir={run_dir}"],
+        ["bash", "launch/torchrun.sh", *UNENDING_RUN, f"run.dir={run_dir}"],
         cwd=project,
         env=project_env(project, NPROC_PER_NODE="2"),
         capture_output=True,
@@ -333,13 +343,13 @@ def wait_for_first_checkpoint(run_dir: Path) -> None:
 
 
 def start_torchrun_run(project: Path, tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
-    """A LONG_RUN of 2 processes under launch/torchrun.sh, once its first checkpoint is written:
-    (launcher, run dir, log)."""
+    """An UNENDING_RUN of 2 processes under launch/torchrun.sh, once its first checkpoint is
+    written: (launcher, run dir, log)."""
     run_dir = tmp_path / "run"
     log = tmp_path / "torchrun.log"
     with log.open("w") as output:
         launcher = subprocess.Popen(
-            ["bash", "launch/torchrun.sh", *LONG_RUN, f"run.dir={run_dir}"],
+            ["bash", "launch/torchrun.sh", *UNENDING_RUN, f"run.dir={run_dir}"],
             cwd=project,
             env=project_env(project, NPROC_PER_NODE="2"),
             stdout=output,
@@ -385,7 +395,7 @@ def test_sigterm_stops_a_torchrun_run_with_a_checkpoint(
     [code] = wait_for_all([launcher], timeout=120)
     text = log.read_text()
     assert code == TERM_TARGETS[target], text[-3000:]
-    stopped = re.search(rf"stopped at step (\d+) of {LONG_STEPS} on SIGTERM", text)
+    stopped = re.search(rf"stopped at step (\d+) of {UNENDING_STEPS} on SIGTERM", text)
     assert stopped, text[-3000:]
     marker = final_checkpoint(run_dir)
     assert marker["step"] == int(stopped.group(1))
@@ -414,7 +424,7 @@ def test_ctrl_c_to_every_process_stops_with_a_checkpoint_at_the_current_step(
     [code] = wait_for_all([launcher], timeout=120)
     text = log.read_text()
     assert code == 75, text[-3000:]
-    stopped = re.search(rf"stopped at step (\d+) of {LONG_STEPS} on SIGINT", text)
+    stopped = re.search(rf"stopped at step (\d+) of {UNENDING_STEPS} on SIGINT", text)
     assert stopped, text[-3000:]
     assert "the same Ctrl-C passed on by the launcher" in text
     assert "interrupted again" not in text
