@@ -258,7 +258,8 @@ def document(figures: dict) -> str:
         "Written by `make bench` (`bench/run.py`); run it to measure your own machine. The",
         "generated project has the same benchmarks for its users: `benchmarks/overhead.py`",
         "(the Trainer against a plain DDP loop), `benchmarks/allreduce.py`,",
-        "`benchmarks/shards.py` (token shards) and `benchmarks/checkpoint_stall.py`.",
+        "`benchmarks/shards.py` (token shards, in a `gpt` project) and",
+        "`benchmarks/checkpoint_stall.py`.",
         "",
         f"- Machine: {machine['cpu']}, {machine['cores']} cores, {machine['system']}; Python "
         f"{machine['python']}, torch {machine['torch']}, Lightning {machine['lightning']}.",
@@ -530,7 +531,7 @@ def main() -> int:
     print("the gpt example's loss forms ...", flush=True)
     figures["loss_forms"] = loss_forms(args)
     print("token shards ...", flush=True)
-    figures["shards"] = script_figures(project, "shards")
+    figures["shards"] = script_figures(OUT / "gpt" / "ddp-project", "shards")
     figures["shards"]["gpt_tokens_per_s"] = gpt_tokens_per_s()
     print("checkpoint stall ...", flush=True)
     figures["stall"] = script_figures(project, "checkpoint_stall")

@@ -27,7 +27,7 @@ The fault tests exercise code that no option changes (test_restart.py and test_t
 no option; a test checks it), so the default options run them once; so do the tests that train
 tasks of their own (marked `own_tasks`: test_contract.py and test_loss_normalisation.py, whose
 tasks read no option and set the precision they test), and the tests of modules that no option
-and no task changes (marked `standalone`: token shards, storage).
+and no task changes (marked `standalone`: storage).
 """
 
 from __future__ import annotations

@@ -75,7 +75,6 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
         "tests/tasks.py",
         "benchmarks/allreduce.py",
         "benchmarks/overhead.py",
-        "benchmarks/shards.py",
         "benchmarks/checkpoint_stall.py",
     }
     tests = ["amp", "benchmarks", "checkpoint", "config", "data", "ddp_options", "distributed"]
@@ -84,7 +83,7 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
     tests += ["stop_signal", "throughput", "timeouts", "trainer", "weights"]
     tests += ["contract", "ema", "loss_normalisation", "run_lock", "parent_death"]
     tests += ["checkpoint_faults", "divergence", "best"]
-    tests += ["shards", "prepare", "storage", "object_store", "background_save"]
+    tests += ["storage", "object_store", "background_save"]
     tests += ["async_checkpoint", "async_checkpoint_faults"]
     tests += ["agreement", "network", "launch", "doctor"]
     files |= {f"tests/test_{name}.py" for name in tests}
@@ -92,7 +91,7 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
     modules += ["plot", "resume", "stopping", "task", "throughput", "train", "trainer", "__init__"]
     modules += ["contract", "losses", "optimizer", "rng", "weights", "run_lock", "parent_watch"]
     modules += ["signals", "watchdog", "divergence", "best"]
-    modules += ["shards", "prepare", "storage", "background_save"]
+    modules += ["storage", "background_save"]
     modules += ["agreement", "network", "launch", "doctor"]
     files |= {f"src/{package}/{name}.py" for name in modules}
     if combo["use_slurm"]:
@@ -102,7 +101,9 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
     if combo["tracker"] != "none":
         files |= {f"src/{package}/tracker.py", "tests/test_tracker.py"}
     if combo["example"] == "gpt":
-        files |= {f"src/{package}/gpt.py", "tests/test_gpt.py"}
+        files |= {f"src/{package}/{name}.py" for name in ("gpt", "prepare", "shards")}
+        files |= {f"tests/test_{name}.py" for name in ("gpt", "prepare", "shards")}
+        files.add("benchmarks/shards.py")
         files |= {"configs/gpt-small.yaml", "configs/gpt2-124m.yaml"}
     if combo["example"] == "classifier":
         files.add("tests/test_classifier.py")

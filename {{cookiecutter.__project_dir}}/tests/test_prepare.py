@@ -13,8 +13,6 @@ from {{ cookiecutter.package_name }} import prepare
 from {{ cookiecutter.package_name }}.prepare import main
 from {{ cookiecutter.package_name }}.shards import SPLITS, verify_shards
 
-pytestmark = pytest.mark.standalone
-
 #: Shards of 1000 tokens, every fifth document held out: a corpus of 20 kB has many of both.
 SMALL = ["--shard-tokens=1000", "--eval-fraction=0.2"]
 FILES = ("a.txt", "b.txt", "sub/c.txt", "sub/d.txt", "sub/e.txt")

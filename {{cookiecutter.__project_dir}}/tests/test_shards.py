@@ -24,8 +24,6 @@ from {{ cookiecutter.package_name }}.shards import (
     write_manifest,
 )
 
-pytestmark = pytest.mark.standalone
-
 BLOCK = 8
 
 

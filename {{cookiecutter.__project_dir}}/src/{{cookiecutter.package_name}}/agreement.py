@@ -393,7 +393,7 @@ def _look_for(path: Location, token: str, wait_s: float) -> str | None:
 
 def agree_on_data(datasets: Mapping[str, Any], loading: Mapping[str, Any]) -> None:
     """Every rank built the same data sets (sizes, and fingerprints where a data set has a
-    `fingerprint` attribute: token shards have their manifest's digest) and loads them alike
+    `fingerprint` attribute, such as a digest of the files it reads) and loads them alike
     (`loading`), or every rank stops (exit 2). A collective, once the task has built them."""
     mine = dict(loading)
     for name, dataset in datasets.items():
