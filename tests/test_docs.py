@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_DIR = ROOT / "{{cookiecutter.__project_dir}}" / "src" / "{{cookiecutter.package_name}}"
 
 
 def _generator():
@@ -76,3 +77,13 @@ def test_every_test_the_pages_name_exists() -> None:
             if f"def {function}(" not in every_test:
                 missing.append(f"{page.name}: {function}")
     assert not missing, "\n".join(missing)
+
+
+def test_the_architecture_page_names_every_module_of_the_package_and_no_other() -> None:
+    """Its module table is the map of the package: a module added, moved or removed shows."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    table = page[: page.index("\n## ")]
+    named = set(re.findall(r"`(\w+)\.py`", table))
+    modules = {path.stem for path in PACKAGE_DIR.glob("*.py")} - {"__init__"}
+    assert sorted(modules - named) == [], "modules missing from docs/architecture.md"
+    assert sorted(named - modules) == [], "docs/architecture.md names modules that are gone"

@@ -1,9 +1,11 @@
 """A rendered project serves tasks written as users write them, with nothing else changed.
 
-Each task of tests/user_tasks/ replaces the default project's task.py, and its TaskConfig the
-`class TaskConfig` block of config.py: what docs/bring-your-own-model.md tells users to edit.
-The example's own test module goes with the example, as a user replacing it would delete it;
-every other generated test stays as rendered and trains the user's task (its test_settings).
+Each task of tests/user_tasks/ replaces the default project's task.py: what
+docs/bring-your-own-model.md tells users to edit. The example's own test module goes with the
+example, as a user replacing it would delete it; every other generated test stays as rendered
+and trains the user's task (its test_settings). Two of them are projects of before 1.0, whose
+TaskConfig lived in config.py (user_tasks/*_config.py): the CNN's is moved into task.py by the
+steps of the CHANGELOG, the GPT-2's stays in config.py, as in a project that has not moved it.
 
 - token_task.py (dict batches padded by a collate, a (sum, count) loss over real tokens,
   throughput in real tokens, named parameter groups, tied weights, metrics with their own
@@ -39,51 +41,63 @@ USER_TASKS = Path(__file__).parent / "user_tasks"
 #: What the cheaper checks run of the generated suite: 2 gloo ranks train, crash, resume and end
 #: bitwise where an unbroken run ends, and resume on 1 and 4 ranks at the exact sample.
 RESUMES = ["tests/test_resume.py"]
-#: The `class TaskConfig` block of a rendered config.py, up to the next section's decorator.
-TASK_CONFIG_BLOCK = re.compile(
-    r"^@dataclass\nclass TaskConfig:\n.*?(?=\n\n\n@dataclass\n)", re.S | re.M
-)
+#: A TaskConfig of before 1.0, as config.py held it: the text from its decorator on.
+OLD_TASK_CONFIG = re.compile(r"^@dataclass\nclass TaskConfig:\n.*", re.S | re.M)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def project_with_task(
-    name: str, task: str, config: str, out: Path
-) -> tuple[Path, dict[str, str], str]:
-    """The default project, rendered under a package name of its own, with task.py replaced by
-    `user_tasks/<task>` and the TaskConfig block of config.py by that of `user_tasks/<config>`,
-    and the example's own test module deleted.
+def project_with_task(name: str, task: str, out: Path) -> tuple[Path, dict[str, str], Path]:
+    """The default project, rendered under a package name of its own, with `task` as its
+    task.py and the example's own test module deleted.
 
-    Returns the project, the environment that imports it, and its package name."""
+    Returns the project, the environment that imports it, and its package directory."""
     project, env = render_from_source(DEFAULTS, name, out)
     (package_dir,) = (project / "src").iterdir()
-    (package_dir / "task.py").write_text((USER_TASKS / task).read_text())
-    text = (USER_TASKS / config).read_text()
-    block = text[text.index("@dataclass\nclass TaskConfig:") :].rstrip("\n")
-    config_py = package_dir / "config.py"
-    rendered = config_py.read_text()
-    assert len(TASK_CONFIG_BLOCK.findall(rendered)) == 1, "config.py changed its layout"
-    config_py.write_text(TASK_CONFIG_BLOCK.sub(lambda _: block, rendered))
+    (package_dir / "task.py").write_text(task)
     example_tests = project / "tests" / f"test_{DEFAULTS['example']}.py"
     assert example_tests.is_file(), "the example's own tests moved: update this test"
     example_tests.unlink()
-    return project, env, package_dir.name
+    return project, env, package_dir
+
+
+def old_task_config(config: str) -> str:
+    """The `class TaskConfig` block of a TaskConfig file of before 1.0."""
+    [block] = OLD_TASK_CONFIG.findall(config)
+    return block.rstrip("\n") + "\n"
+
+
+def moved_as_the_changelog_says(task: str, config: str) -> str:
+    """task.py of before 1.0 with its TaskConfig moved in from config.py, by the steps of the
+    CHANGELOG ("What a project that updates must change"): the class below the imports with the
+    imports it needs, and only ConfigError imported from .config."""
+    assert task.count("from .config import TaskConfig\n") == 1
+    task = task.replace("from .config import TaskConfig\n", "from .config import ConfigError\n")
+    future = "from __future__ import annotations\n"
+    assert task.count(future) == 1
+    task = task.replace(future, f"{future}\nfrom dataclasses import dataclass\n")
+    first_definition = re.search(r"^(class |def |@)", task, re.M)
+    assert first_definition, "no definition after the imports"
+    at = first_definition.start()
+    return task[:at] + old_task_config(config) + "\n\n" + task[at:]
 
 
 def test_a_token_task_with_dict_batches_padding_and_task_state_passes_the_whole_suite(
     tmp_path: Path,
 ) -> None:
-    project, env, _ = project_with_task(
-        "User Token Task", "token_task.py", "token_config.py", tmp_path
-    )
+    task = (USER_TASKS / "token_task.py").read_text()
+    project, env, _ = project_with_task("User Token Task", task, tmp_path)
     cases = run_project_suite(project, env, *OTHER_TASK_SELECTION)
     assert "test_weights_are_bitwise_equal_to_an_unbroken_run" in cases
 
 
 def test_a_cnn_with_numpy_augmentation_and_batchnorm_trains_and_resumes(tmp_path: Path) -> None:
     """Random flips drawn with NumPy's global generator: bitwise on the same 2 ranks, and at the
-    exact sample on 1 and 4."""
-    project, env, _ = project_with_task("User Cnn Task", "cnn_task.py", "cnn_config.py", tmp_path)
+    exact sample on 1 and 4. The task was written before 1.0 and updated by the CHANGELOG."""
+    task = moved_as_the_changelog_says(
+        (USER_TASKS / "cnn_task.py").read_text(), (USER_TASKS / "cnn_config.py").read_text()
+    )
+    project, env, _ = project_with_task("User Cnn Task", task, tmp_path)
     cases = run_project_suite(project, env, *RESUMES)
     assert "test_weights_are_bitwise_equal_to_an_unbroken_run" in cases
 
@@ -137,9 +151,17 @@ def test_a_hugging_face_gpt2_trains_resumes_and_counts_real_tokens(tmp_path: Pat
         import transformers  # noqa: F401
     except ImportError as error:  # it is in requirements-test.txt
         pytest.skip(f"transformers cannot be imported: {error}")
-    project, env, package = project_with_task(
-        "User Hf Gpt2 Task", "hf_gpt2_task.py", "hf_gpt2_config.py", tmp_path
+    task = (USER_TASKS / "hf_gpt2_task.py").read_text()
+    project, env, package_dir = project_with_task("User Hf Gpt2 Task", task, tmp_path)
+    # A project of before 1.0 that kept its TaskConfig in config.py through the update.
+    config_py = package_dir / "config.py"
+    old_class = old_task_config((USER_TASKS / "hf_gpt2_config.py").read_text())
+    config_py.write_text(
+        config_py.read_text().replace(
+            "@dataclass\nclass DataConfig:", f"{old_class}\n\n@dataclass\nclass DataConfig:", 1
+        )
     )
+    package = package_dir.name
     # One 2-rank launch: crash, resume, and end bitwise where an unbroken run ends.
     run_project_suite(
         project, env, "tests/test_resume.py::test_weights_are_bitwise_equal_to_an_unbroken_run"

@@ -1,4 +1,5 @@
-"""The TaskConfig of cnn_task.py: replaces the `class TaskConfig` block of config.py.
+"""The TaskConfig of cnn_task.py as a project of before 1.0 held it, in config.py:
+tests/test_user_tasks.py moves it into task.py by the CHANGELOG's steps.
 
 The imports are for linting this file alone; the test takes the text from `@dataclass` on.
 """

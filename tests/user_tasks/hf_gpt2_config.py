@@ -1,4 +1,5 @@
-"""The TaskConfig of hf_gpt2_task.py: replaces the `class TaskConfig` block of config.py.
+"""The TaskConfig of hf_gpt2_task.py as a project of before 1.0 held it, in config.py:
+tests/test_user_tasks.py keeps it in config.py, as a project that has not moved it.
 
 The imports are for linting this file alone; the test takes the text from `@dataclass` on.
 """

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from {{ cookiecutter.package_name }}.config import TaskConfig, load_config
-from {{ cookiecutter.package_name }}.task import Task
+from {{ cookiecutter.package_name }}.config import load_config
+from {{ cookiecutter.package_name }}.task import Task, TaskConfig
 
 from .helpers import FAST, make_trainer
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -16,7 +20,6 @@ import {{ cookiecutter.package_name }}.config as config_module
 from {{ cookiecutter.package_name }}.config import (
     Config,
     ConfigError,
-    TaskConfig,
     flatten,
     from_dict,
     load_config,
@@ -24,6 +27,7 @@ from {{ cookiecutter.package_name }}.config import (
     to_yaml,
 )
 from {{ cookiecutter.package_name }}.resume import changed_settings
+from {{ cookiecutter.package_name }}.task import TaskConfig
 from {{ cookiecutter.package_name }}.train import main, parse_args
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -373,3 +377,39 @@ def test_help_lists_user_fields_with_type_and_comment(capsys: pytest.CaptureFixt
     assert listed["task.mode"][:2] == ("slow", "slow|fast")
     assert listed["task.weights"][:2] == ("{}", "dict[str, float]")
     assert listed["task.out"][:2] == ("runs/out", "Path")
+
+
+def test_the_task_section_is_the_class_task_py_defines() -> None:
+    """task.py holds the task's settings; the config builds, validates and lists that class."""
+    assert type(load_config().task) is TaskConfig
+    assert config_module.task_config_class() is TaskConfig
+
+
+def test_importing_task_config_from_config_still_works_with_a_warning() -> None:
+    """Projects before 1.0 imported TaskConfig from config.py: it works for one more release."""
+    with pytest.warns(FutureWarning, match=r"import TaskConfig from .*\.task"):
+        from {{ cookiecutter.package_name }}.config import TaskConfig as old_name
+    assert old_name is TaskConfig
+
+
+def test_a_task_py_that_imports_its_settings_from_config_is_told_where_they_went(
+    tmp_path: Path,
+) -> None:
+    """A task.py of before 1.0 whose TaskConfig was left behind in config.py's old text (taken
+    away by an update) names the move to make instead of a circular-import error."""
+    package = Path(config_module.__file__).parent
+    copy = tmp_path / package.name
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "task.py").write_text("from .config import ConfigError, TaskConfig\n")
+    result = subprocess.run(
+        [sys.executable, "-c", f"import {package.name}.task"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1, result.stderr
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("ImportError:"), result.stderr
+    assert "defines no TaskConfig" in last_line and "move `class TaskConfig`" in last_line

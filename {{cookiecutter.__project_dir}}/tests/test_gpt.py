@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }}.config import ConfigError, TaskConfig, load_config
+from {{ cookiecutter.package_name }}.config import ConfigError, load_config
 from {{ cookiecutter.package_name }}.prepare import main as prepare
 from {{ cookiecutter.package_name }}.shards import read_manifest
-from {{ cookiecutter.package_name }}.task import VOCAB_SIZE, Task, generate_text
+from {{ cookiecutter.package_name }}.task import VOCAB_SIZE, Task, TaskConfig, generate_text
 
 from .helpers import FAST, env_for, make_trainer, spawn
 

@@ -12,11 +12,11 @@ import pytest
 
 import {{ cookiecutter.package_name }}.config as config_module
 from {{ cookiecutter.package_name }}.checkpoint import complete_checkpoints
-from {{ cookiecutter.package_name }}.config import Config, TaskConfig, load_config
+from {{ cookiecutter.package_name }}.config import Config, load_config
 from {{ cookiecutter.package_name }}.contract import TaskBase
 from {{ cookiecutter.package_name }}.metrics import METRICS_FILE, read_metrics
 from {{ cookiecutter.package_name }}.resume import ResumeError
-from {{ cookiecutter.package_name }}.task import Task
+from {{ cookiecutter.package_name }}.task import Task, TaskConfig
 from {{ cookiecutter.package_name }}.train import main
 from {{ cookiecutter.package_name }}.trainer import Trainer, warmup_cosine
 

@@ -3,7 +3,8 @@
 Everything is validated here, before any process group starts, so a typo fails in one second with a
 message that names the key instead of failing minutes later on every rank.
 
-A setting is a field of one of the dataclasses below, with a type, a default and a `#:` comment
+The `task` section is task.py's `TaskConfig`, the user's own; every other section is defined
+here. A setting is a field of one of these dataclasses, with a type, a default and a `#:` comment
 above it: its one-line help in `--help`. Types understood: bool, int, float, str, Path,
 `Literal[...]`, `enum.Enum` subclasses (written as their values), `X | None`, `list[X]`,
 `tuple[X, ...]` and fixed tuples, `dict[str, X]`, and dataclasses nested in a section (set as
@@ -21,18 +22,53 @@ import math
 import re
 import types
 import typing
+import warnings
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
-from typing import Any, Literal, NamedTuple, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args, get_origin
 
 import yaml
 
 from .storage import is_url, url_problem
 
+if TYPE_CHECKING:
+    from .task import TaskConfig
+
 
 class ConfigError(ValueError):
     """A configuration value is unknown, of the wrong type or out of range."""
+
+
+def task_config_class() -> type:
+    """The `task` section's class: `TaskConfig` of task.py, the user's file.
+
+    Looked up when first needed rather than imported above: task.py imports this module (for
+    ConfigError), so the class does not exist yet while this module runs.
+    """
+    from . import task
+
+    if not hasattr(task, "TaskConfig"):
+        raise ImportError(
+            f"{task.__file__} defines no TaskConfig. The task's settings live in task.py: move "
+            "`class TaskConfig` (with the imports it needs) there from config.py, and import "
+            "only ConfigError from .config (CHANGELOG: what a project that updates must change)"
+        )
+    return task.TaskConfig
+
+
+def __getattr__(name: str) -> Any:
+    """`from .config import TaskConfig`, as projects before 1.0 wrote it, works for one more
+    release, with a warning: the class is task.py's now."""
+    if name != "TaskConfig":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"import TaskConfig from {__package__}.task: {__name__}.TaskConfig goes in the next "
+        "release",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return task_config_class()
 
 
 @dataclass
@@ -47,109 +83,6 @@ class RunConfig:
     local_dir: str = ""
     #: Seeds the initial weights, the data order and every random stream.
     seed: int = 1234
-
-
-@dataclass
-class TaskConfig:
-{%- if cookiecutter.example == "classifier" %}
-    """Size of the example task (see task.py); replace with your own task's settings.
-
-    This class is the one part of config.py that belongs to the task: its fields become the
-    `task.*` settings. An optional `validate()` method checks them (raise ConfigError); the
-    trainer calls it after checking the shared sections.
-    """
-
-    #: Samples in the generated training set.
-    num_train_samples: int = 8192
-    #: Samples in the generated evaluation set.
-    num_eval_samples: int = 1000
-    #: Features per sample.
-    input_dim: int = 32
-    #: Width of the MLP's hidden layers.
-    hidden_dim: int = 128
-    #: Classes (Gaussian blobs) to tell apart.
-    num_classes: int = 8
-    #: Dropout probability after each hidden layer.
-    dropout: float = 0.1
-
-    def validate(self) -> None:
-        """The task's own range checks; config.validate() calls them after its own."""
-        for key in ("num_train_samples", "num_eval_samples", "input_dim", "hidden_dim"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"task.{key} must be positive, got {getattr(self, key)}")
-        if self.num_classes < 2:
-            raise ConfigError(f"task.num_classes must be at least 2, got {self.num_classes}")
-        if not 0 <= self.dropout < 1:
-            raise ConfigError(f"task.dropout must be in [0, 1), got {self.dropout}")
-{%- else %}
-    """The text and the size of the example language model (see task.py and gpt.py).
-
-    `text_path`: the file to learn, read as bytes; empty: a text of `generated_bytes` bytes
-    generated from run.seed, so nothing is downloaded. Its first 90% trains, the rest evaluates,
-    in windows of `block_size` + 1 bytes. `data_dir`: instead of a text, a directory of token
-    shards written by the prepare command (prepare.py), of any size, read window by window:
-    their train and eval splits are the two parts, their manifest gives the vocabulary size.
-    `num_train_samples` / `num_eval_samples` > 0 take only that many windows of each part (quick
-    runs); 0 takes them all. The defaults are a tiny model that trains on a laptop CPU;
-    configs/gpt-small.yaml and configs/gpt2-124m.yaml are bigger.
-
-    This class is the one part of config.py that belongs to the task: its fields become the
-    `task.*` settings, and `validate()` checks them (called after the shared sections' checks).
-    """
-
-    #: The text file to learn; empty: a generated text.
-    text_path: str = ""
-    #: A directory of token shards made by the prepare command; empty: text_path's text.
-    data_dir: str = ""
-    #: Bytes of generated text, when text_path is empty.
-    generated_bytes: int = 1_000_000
-    #: Training windows to take (quick runs); 0 takes them all.
-    num_train_samples: int = 0
-    #: Evaluation windows to take; 0 takes them all.
-    num_eval_samples: int = 0
-    #: Bytes of context.
-    block_size: int = 64
-    #: Transformer blocks.
-    n_layer: int = 2
-    #: Attention heads per block; they share n_embd equally.
-    n_head: int = 4
-    #: Embedding width.
-    n_embd: int = 128
-    #: Dropout probability in attention and MLP.
-    dropout: float = 0.0
-
-    def validate(self) -> None:
-        """The task's own range checks; config.validate() calls them after its own."""
-        for key in ("generated_bytes", "block_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"task.{key} must be positive, got {getattr(self, key)}")
-        if self.n_embd % self.n_head:
-            raise ConfigError(
-                f"task.n_embd={self.n_embd} must be a multiple of task.n_head={self.n_head}: "
-                "each attention head takes an equal share of the embedding"
-            )
-        if not 0 <= self.dropout < 1:
-            raise ConfigError(f"task.dropout must be in [0, 1), got {self.dropout}")
-        for key in ("num_train_samples", "num_eval_samples"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"task.{key} must be >= 0 (0 takes every window of the text)")
-        if self.text_path and not Path(self.text_path).is_file():
-            raise ConfigError(
-                f"task.text_path={self.text_path} is not a file. Give the path of a text file to "
-                "train on, or leave task.text_path empty to train on a generated text."
-            )
-        if self.data_dir and self.text_path:
-            raise ConfigError(
-                f"task.data_dir={self.data_dir} and task.text_path={self.text_path} both name "
-                "the data: set one of them (prepare the text file into shards to use data_dir)"
-            )
-        if self.data_dir and not (Path(self.data_dir) / "manifest.json").is_file():
-            raise ConfigError(
-                f"task.data_dir={self.data_dir} holds no manifest.json: prepare the corpus into "
-                f"it first (python -m {__package__}.prepare SOURCE... --output {self.data_dir}), "
-                "or leave task.data_dir empty."
-            )
-{%- endif %}
 
 
 @dataclass
@@ -424,7 +357,7 @@ class Config:
     """The whole run configuration; `Config()` is the documented default."""
 
     run: RunConfig = field(default_factory=RunConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
+    task: TaskConfig = field(default_factory=lambda: task_config_class()())
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -639,7 +572,7 @@ def _build(base: Any, values: Any, prefix: str) -> Any:
     """`base` (a dataclass instance) with the settings in `values` replaced, each type-checked."""
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {values!r}")
-    hints = typing.get_type_hints(type(base))
+    hints = _hints(type(base))
     names = {_key(f): f.name for f in dataclasses.fields(base) if f.init}
     unknown = sorted(set(values) - set(names))
     if unknown:
@@ -652,6 +585,13 @@ def _build(base: Any, values: Any, prefix: str) -> Any:
         if key in values
     }
     return dataclasses.replace(base, **changes)
+
+
+def _hints(section: type) -> dict[str, Any]:
+    """The types of a section's fields; `Config.task`'s names task.py's TaskConfig."""
+    if issubclass(section, Config):
+        return typing.get_type_hints(section, localns={"TaskConfig": task_config_class()})
+    return typing.get_type_hints(section)
 
 
 def _key(setting: dataclasses.Field) -> str:
@@ -741,7 +681,7 @@ def _plain(value: Any) -> Any:
 
 
 def _flatten(values: dict[str, Any], schema: type, prefix: str) -> dict[str, Any]:
-    hints = typing.get_type_hints(schema)
+    hints = _hints(schema)
     flat: dict[str, Any] = {}
     for key, value in values.items():
         hint = hints.get(key)
@@ -753,7 +693,7 @@ def _flatten(values: dict[str, Any], schema: type, prefix: str) -> dict[str, Any
 
 
 def _settings(section: Any, prefix: str) -> list[Setting]:
-    hints = typing.get_type_hints(type(section))
+    hints = _hints(type(section))
     described = _descriptions(type(section))
     found: list[Setting] = []
     for f in dataclasses.fields(section):

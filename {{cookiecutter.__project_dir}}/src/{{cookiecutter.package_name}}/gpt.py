@@ -1,18 +1,21 @@
 """A decoder-only transformer language model in the style of GPT-2 (and nanoGPT).
 
 Token and position embeddings, pre-LayerNorm blocks of causal self-attention and a GELU MLP, and
-an output head that shares its weights with the token embedding. The sizes come from TaskConfig.
+an output head that shares its weights with the token embedding. The sizes come from task.py's
+TaskConfig.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .config import TaskConfig
+if TYPE_CHECKING:  # task.py imports this module
+    from .task import TaskConfig
 
 
 class CausalSelfAttention(nn.Module):

@@ -2,7 +2,7 @@
 
 The trainer only calls the methods of `Task`; it never looks inside a batch or a model. To train
 your own model, replace the data set, the model and the loss and metric methods below, and the
-settings in `TaskConfig` (config.py). contract.py lists what a task must define (four methods)
+settings in `TaskConfig`. contract.py lists what a task must define (four methods)
 and what it may (parameter groups, a collate function, per-token losses, metrics of its own,
 state in checkpoints...), each with its default. Nothing here knows about ranks, devices or DDP:
 the trainer moves batches to the device, wraps the model, and reduces the metrics across ranks.
@@ -11,13 +11,48 @@ the trainer moves batches to the device, wraps the model, and reduces the metric
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset, TensorDataset
 
-from .config import TaskConfig
+from .config import ConfigError
 from .contract import TaskBase
+
+
+@dataclass
+class TaskConfig:
+    """The example task's settings; replace them with your own task's.
+
+    Its fields become the `task.*` settings (YAML, overrides, `--help`, checkpoints). An
+    optional `validate()` method checks them (raise ConfigError); it runs after the checks of
+    the shared sections.
+    """
+
+    #: Samples in the generated training set.
+    num_train_samples: int = 8192
+    #: Samples in the generated evaluation set.
+    num_eval_samples: int = 1000
+    #: Features per sample.
+    input_dim: int = 32
+    #: Width of the MLP's hidden layers.
+    hidden_dim: int = 128
+    #: Classes (Gaussian blobs) to tell apart.
+    num_classes: int = 8
+    #: Dropout probability after each hidden layer.
+    dropout: float = 0.1
+
+    def validate(self) -> None:
+        """The task's own range checks; config.validate() calls them after its own."""
+        for key in ("num_train_samples", "num_eval_samples", "input_dim", "hidden_dim"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"task.{key} must be positive, got {getattr(self, key)}")
+        if self.num_classes < 2:
+            raise ConfigError(f"task.num_classes must be at least 2, got {self.num_classes}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"task.dropout must be in [0, 1), got {self.dropout}")
 
 
 def make_blobs(config: TaskConfig, num_samples: int, seed: int, split: int) -> TensorDataset:
@@ -107,6 +142,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -114,10 +150,82 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
-from .config import ConfigError, TaskConfig
+from .config import ConfigError
 from .contract import TaskBase
 from .gpt import GPT
 from .shards import TokenWindows, read_manifest
+
+
+@dataclass
+class TaskConfig:
+    """The text and the size of the example language model (see task.py and gpt.py).
+
+    `text_path`: the file to learn, read as bytes; empty: a text of `generated_bytes` bytes
+    generated from run.seed, so nothing is downloaded. Its first 90% trains, the rest evaluates,
+    in windows of `block_size` + 1 bytes. `data_dir`: instead of a text, a directory of token
+    shards written by the prepare command (prepare.py), of any size, read window by window:
+    their train and eval splits are the two parts, their manifest gives the vocabulary size.
+    `num_train_samples` / `num_eval_samples` > 0 take only that many windows of each part (quick
+    runs); 0 takes them all. The defaults are a tiny model that trains on a laptop CPU;
+    configs/gpt-small.yaml and configs/gpt2-124m.yaml are bigger.
+
+    Its fields become the `task.*` settings, and `validate()` checks them (after the checks of
+    the shared sections).
+    """
+
+    #: The text file to learn; empty: a generated text.
+    text_path: str = ""
+    #: A directory of token shards made by the prepare command; empty: text_path's text.
+    data_dir: str = ""
+    #: Bytes of generated text, when text_path is empty.
+    generated_bytes: int = 1_000_000
+    #: Training windows to take (quick runs); 0 takes them all.
+    num_train_samples: int = 0
+    #: Evaluation windows to take; 0 takes them all.
+    num_eval_samples: int = 0
+    #: Bytes of context.
+    block_size: int = 64
+    #: Transformer blocks.
+    n_layer: int = 2
+    #: Attention heads per block; they share n_embd equally.
+    n_head: int = 4
+    #: Embedding width.
+    n_embd: int = 128
+    #: Dropout probability in attention and MLP.
+    dropout: float = 0.0
+
+    def validate(self) -> None:
+        """The task's own range checks; config.validate() calls them after its own."""
+        for key in ("generated_bytes", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"task.{key} must be positive, got {getattr(self, key)}")
+        if self.n_embd % self.n_head:
+            raise ConfigError(
+                f"task.n_embd={self.n_embd} must be a multiple of task.n_head={self.n_head}: "
+                "each attention head takes an equal share of the embedding"
+            )
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"task.dropout must be in [0, 1), got {self.dropout}")
+        for key in ("num_train_samples", "num_eval_samples"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"task.{key} must be >= 0 (0 takes every window of the text)")
+        if self.text_path and not Path(self.text_path).is_file():
+            raise ConfigError(
+                f"task.text_path={self.text_path} is not a file. Give the path of a text file to "
+                "train on, or leave task.text_path empty to train on a generated text."
+            )
+        if self.data_dir and self.text_path:
+            raise ConfigError(
+                f"task.data_dir={self.data_dir} and task.text_path={self.text_path} both name "
+                "the data: set one of them (prepare the text file into shards to use data_dir)"
+            )
+        if self.data_dir and not (Path(self.data_dir) / "manifest.json").is_file():
+            raise ConfigError(
+                f"task.data_dir={self.data_dir} holds no manifest.json: prepare the corpus into "
+                f"it first (python -m {__package__}.prepare SOURCE... --output {self.data_dir}), "
+                "or leave task.data_dir empty."
+            )
+
 
 #: Byte-level modelling: any file is a sequence of bytes 0-255, so no tokenizer is needed.
 VOCAB_SIZE = 256
