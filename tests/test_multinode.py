@@ -225,8 +225,10 @@ def _other_release(project: Path, tmp_path: Path) -> Path:
     shutil.copytree(project / "src", source)
     init = source / PACKAGE / "__init__.py"
     init.write_text(init.read_text().replace('"0.1.0"', '"0.2.0"'))
-    config = source / PACKAGE / "config.py"
-    config.write_text(config.read_text().replace("dropout: float = 0.1", "dropout: float = 0.2"))
+    task = source / PACKAGE / "task.py"
+    text = task.read_text()
+    assert text.count("dropout: float = 0.1") == 1, "the default task's settings changed"
+    task.write_text(text.replace("dropout: float = 0.1", "dropout: float = 0.2"))
     return source
 
 
@@ -247,7 +249,7 @@ def test_the_doctor_names_the_settings_and_code_a_node_differs_in(
         assert "FAIL  agreement" in run.log
         assert "task.dropout: 0.1 on rank 0 on alpha; 0.2 on rank 1 on beta" in run.log
         assert "package: 0.1.0 on rank 0 on alpha; 0.2.0 on rank 1 on beta" in run.log
-        assert "config.py: digest" in run.log
+        assert "task.py: digest" in run.log
 
 
 def test_the_doctor_names_a_run_directory_one_node_does_not_share(
