@@ -126,6 +126,20 @@ def test_skipping_non_finite_steps_is_refused_with_fp16_loss_scaling() -> None:
         load_config(None, ["train.on_nonfinite=skip", "train.mixed_precision=fp16"])
 
 
+def test_a_static_graph_is_refused_where_the_world_size_needs_gradient_accumulation(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """DDP's static graph fails under no_sync (pytorch/pytorch#143580): refused before any
+    process group starts, naming the batch split; one micro-batch per step keeps it."""
+    static = ["--print-config", "dist.static_graph=true", "train.global_batch_size=64"]
+    assert main([*static, "train.micro_batch_size=32"]) == 2
+    error = capsys.readouterr().err
+    assert "dist.static_graph=true cannot train with gradient accumulation" in error
+    split = "train.global_batch_size=64 on 1 rank(s) with train.micro_batch_size=32 takes 2 "
+    assert split in error
+    assert main([*static, "train.micro_batch_size=64"]) == 0
+
+
 def test_file_that_is_not_a_mapping_is_a_clear_error(tmp_path: Path) -> None:
     path = tmp_path / "list.yaml"
     path.write_text("- 1\n- 2\n")
@@ -210,7 +224,7 @@ TYPED_OVERRIDES = [
     ("run.dir=runs/exp1", "runs/exp1"),
     ("train.epochs=9", 9),
     ("optim.lr=1e-4", 1e-4),
-    ("dist.static_graph=true", True),
+    ("dist.find_unused_parameters=true", True),
     ("task.out=/data/out", Path("/data/out")),
     ("task.limit=5", 5),
     ("task.limit=null", None),

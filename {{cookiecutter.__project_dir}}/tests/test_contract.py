@@ -5,11 +5,13 @@ release still trains and resumes bitwise."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy
 import pytest
 import torch
+from torch.utils.data import IterableDataset
 
 from {{ cookiecutter.package_name }}.config import Config, ConfigError, load_config
 from {{ cookiecutter.package_name }}.contract import adopt
@@ -83,6 +85,25 @@ def test_a_task_missing_a_required_method_is_refused_by_name() -> None:
 
     with pytest.raises(TypeError, match="NoLoss does not define training_loss"):
         adopt(NoLoss())
+
+
+class _Stream(IterableDataset):
+    """A data set read as a stream, as Hugging Face's streaming data sets are."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        yield from torch.zeros(4, 2)
+
+
+def test_a_streamed_data_set_is_refused_with_what_to_do_instead(tmp_path: Path) -> None:
+    class Streaming(TokenTask):
+        def build_datasets(self) -> tuple:
+            return _Stream(), super().build_datasets()[1]
+
+    with pytest.raises(
+        TypeError, match=r"a training set that cannot be indexed \(_Stream"
+    ) as error:
+        _trainer(tmp_path, Streaming)
+    assert "load_dataset without streaming=True" in str(error.value)
 
 
 def test_two_fresh_launches_draw_the_same_numpy_augmentation(tmp_path: Path) -> None:

@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from {{ cookiecutter.package_name }}.checkpoint import complete_checkpoints
 from {{ cookiecutter.package_name }}.config import ConfigError, load_config
+from {{ cookiecutter.package_name }}.distributed import ReplicaMismatchError
 from {{ cookiecutter.package_name }}.task import Task
 
-from .helpers import FAST, Float64Task, env_for, flat_grads, make_trainer, spawn, train_steps
+from .helpers import (
+    FAST,
+    Float64Task,
+    env_for,
+    flat_grads,
+    make_trainer,
+    run_torchrun,
+    spawn,
+    train_steps,
+    write_fault_entry,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -53,6 +67,14 @@ class UnusedLayerTask(Task):
         return model
 
 
+class BypassingTask(Task):
+    """A loss that calls the inner module, as `getattr(model, "module", model)` does: no
+    gradient is all-reduced."""
+
+    def training_loss(self, model: nn.Module, batch: Any) -> Any:
+        return super().training_loss(getattr(model, "module", model), batch)
+
+
 def _unused_layer(rank: int, world_size: int, run_dir: Path, *overrides: str) -> str:
     config = load_config(None, [*FAST, f"run.dir={run_dir}", *overrides])
     trainer = make_trainer(config, env_for(rank, world_size), UnusedLayerTask(config.task, seed=1))
@@ -70,6 +92,10 @@ def _each_setting(rank: int, world_size: int, run_dir: Path) -> dict:
         hook: _training(rank, world_size, run_dir / hook, f"dist.comm_hook={hook}")
         for hook in hooks
     }
+    # One micro-batch per rank and step (32 over 2 ranks): DDP's static graph needs it.
+    for graph, static in (("static", "true"), ("dynamic", "false")):
+        settings = (f"dist.static_graph={static}", "train.micro_batch_size=16")
+        runs[f"{graph}_graph"] = _training(rank, world_size, run_dir / graph, *settings)
     with pytest.raises(ConfigError) as bf16_error:
         _training(rank, world_size, run_dir / "bf16", "dist.comm_hook=bf16")
     runs["bf16"] = str(bf16_error.value)
@@ -78,6 +104,11 @@ def _each_setting(rank: int, world_size: int, run_dir: Path) -> dict:
         settings = [*FAST, f"run.dir={run_dir / value}", f"dist.broadcast_buffers={value}"]
         trainer = make_trainer(load_config(None, settings), env_for(rank, world_size))
         runs["buffer_sync"].append(trainer.ddp.broadcast_buffers)
+    try:
+        _training(rank, world_size, run_dir / "bypass", task_class=BypassingTask)
+        runs["bypass"] = "trained"
+    except ReplicaMismatchError as error:
+        runs["bypass"] = str(error)
     setting = "dist.find_unused_parameters=true"
     runs["unused_allowed"] = _unused_layer(rank, world_size, run_dir / "allowed", setting)
     # Last, so that nothing else runs after DDP's failed gradient reduction.
@@ -115,9 +146,55 @@ def test_powersgd_sends_a_low_rank_approximation_after_the_warmup(runs: list) ->
     assert differing and all(powersgd[name].isfinite().all() for name in powersgd)
 
 
+def test_a_static_graph_with_one_micro_batch_per_step_keeps_the_replicas_alike(runs: list) -> None:
+    """With gradient accumulation it is refused (test_config.py); without, the gradients are
+    all-reduced at every step as they are without it."""
+    static = [rank["static_graph"] for rank in runs]
+    for name, tensor in static[0]["weights"].items():
+        assert torch.equal(tensor, static[1]["weights"][name]), name
+    dynamic = runs[0]["dynamic_graph"]["first_grads"]
+    _assert_close_to_scale(static[0]["first_grads"], dynamic, rtol=1e-6)
+
+
 def test_bf16_compression_without_nccl_is_refused_with_the_alternative(runs: list) -> None:
     message = runs[0]["bf16"]
     assert "needs the NCCL backend" in message and "dist.comm_hook=fp16" in message
+
+
+def test_a_loss_that_skips_ddp_s_forward_stops_every_rank_at_the_first_step(runs: list) -> None:
+    """Each rank would train on its own gradients to the end of the run."""
+    for rank in runs:
+        assert "step 1: the gradients of" in rank["bypass"], rank["bypass"]
+        assert "DDP did not all-reduce them" in rank["bypass"]
+        assert "getattr(model, 'module', model)" in rank["bypass"]
+
+
+#: A fault entry (helpers.write_fault_entry): the task's loss calls the inner module.
+THROUGH_THE_INNER_MODULE = """
+from {{ cookiecutter.package_name }}.task import Task
+
+training_loss = Task.training_loss
+
+
+def through_the_inner_module(self, model, batch):
+    return training_loss(self, getattr(model, "module", model), batch)
+
+
+Task.training_loss = through_the_inner_module
+"""
+
+
+@pytest.mark.faults
+def test_a_launch_whose_loss_skips_ddp_s_forward_exits_2_naming_the_cause(tmp_path: Path) -> None:
+    """Under torchrun, as users launch: status 2 (change the code, not the launch), the cause
+    in the log, no checkpoint."""
+    entry = write_fault_entry(tmp_path, THROUGH_THE_INNER_MODULE)
+    run_dir = tmp_path / "run"
+    result = run_torchrun(2, [*FAST, f"run.dir={run_dir}", "train.max_steps=4"], entry=entry)
+    assert re.search(r"exitcode\s*:\s*2\b", result.stderr), result.stderr[-4000:]
+    assert "DDP did not all-reduce them" in result.stderr
+    assert "GradientsNotReducedError" not in result.stderr  # a message, not a traceback
+    assert not complete_checkpoints(run_dir)
 
 
 def test_a_parameter_without_gradient_gets_a_hint_naming_the_setting(runs: list) -> None:

@@ -35,7 +35,10 @@ def test_the_average_follows_the_weights_with_the_configured_decay(tmp_path: Pat
     second = _floating(train_steps(trainer, 1))
     average = trainer.ema.module.state_dict()
     for name, value in second.items():
-        torch.testing.assert_close(average[name], 0.75 * first[name] + 0.25 * value, msg=name)
+        expected = 0.75 * first[name] + 0.25 * value
+        torch.testing.assert_close(
+            average[name], expected, msg=lambda default, name=name: f"{name}: {default}"
+        )
 
 
 def test_each_evaluation_also_reports_the_average(tmp_path: Path) -> None:

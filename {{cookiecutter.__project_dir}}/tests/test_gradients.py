@@ -48,13 +48,22 @@ def two_rank_weights(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 
 def _assert_close(left: dict, right: dict) -> None:
+    """Within 1e-10; a failure names the weight and how far it is off (a loss that only sees
+    its own micro-batch, such as one that gathers negatives across ranks, is off by 1e-3)."""
     for name, tensor in left.items():
-        torch.testing.assert_close(tensor, right[name], rtol=0, atol=1e-10, msg=name)
+        torch.testing.assert_close(
+            tensor,
+            right[name],
+            rtol=0,
+            atol=1e-10,
+            msg=lambda default, name=name: f"{name}: {default}",
+        )
 
 
 def test_replicas_hold_identical_weights(two_rank_weights: list[dict]) -> None:
     for name, tensor in two_rank_weights[0].items():
-        assert torch.equal(tensor, two_rank_weights[1][name]), name
+        other = two_rank_weights[1][name]
+        assert torch.equal(tensor, other), f"{name}: off by {(tensor - other).abs().max():.3g}"
 
 
 def test_two_ranks_with_accumulation_equal_one_process_with_the_whole_batch(

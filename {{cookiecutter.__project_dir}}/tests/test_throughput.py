@@ -14,11 +14,12 @@ import torch
 
 from {{ cookiecutter.package_name }} import checkpoint as checkpoint_module
 from {{ cookiecutter.package_name }} import throughput
-from {{ cookiecutter.package_name }}.config import load_config
+from {{ cookiecutter.package_name }}.config import BestConfig, load_config
 from {{ cookiecutter.package_name }}.logs import ProgressBar
 from {{ cookiecutter.package_name }}.metrics import read_metrics
 from {{ cookiecutter.package_name }}.task import Task
 from {{ cookiecutter.package_name }}.throughput import StepMeter, peak_flops, window_figures
+from {{ cookiecutter.package_name }}.trainer import best_evaluation
 
 from .helpers import FAST, env_for, make_trainer, spawn
 
@@ -212,12 +213,34 @@ def test_the_run_ends_with_a_summary(tmp_path: Path, caplog: pytest.LogCaptureFi
     trainer = make_trainer(config)
     with caplog.at_level(logging.INFO):
         assert trainer.fit() == 0
-    best = min((r["eval/loss"], r["step"]) for r in read_metrics(tmp_path) if "eval/loss" in r)
     summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("summary:")]
     assert len(summary) == 1
     assert "steps 1..8 of 8" in summary[0]
-    assert f"best eval loss {best[0]:.4f} at step {best[1]}" in summary[0]
+    assert best_evaluation(read_metrics(tmp_path), config.best) in summary[0]
     assert "newest: step_00000008" in summary[0]
+
+
+RECORDS = [
+    {"step": 2, "eval/loss": 0.5, "eval/accuracy": 0.7},
+    {"step": 4, "eval/loss": 0.4, "eval/accuracy": 0.9},
+    {"step": 6, "eval/loss": 0.45, "eval/accuracy": 0.8},
+]
+
+
+@pytest.mark.parametrize(
+    ("records", "best", "said"),
+    [
+        (RECORDS, BestConfig(), "best eval/loss 0.4000 at step 4"),
+        (RECORDS, BestConfig("eval/accuracy", "max"), "best eval/accuracy 0.9000 at step 4"),
+        ([{"step": 2, "eval/f1": 0.5}], BestConfig(), "evaluated, without eval/loss"),
+        ([{"step": 2, "train/loss": 1.0}], BestConfig(), "no evaluation yet"),
+    ],
+    ids=["eval-loss", "best-metric-max", "no-loss-metric", "no-evaluation"],
+)
+def test_the_summary_names_the_best_evaluation_of_the_metric_that_picks_the_best(
+    records: list, best: BestConfig, said: str
+) -> None:
+    assert best_evaluation(records, best).startswith(said)
 
 
 class FakeTerminal(io.StringIO):

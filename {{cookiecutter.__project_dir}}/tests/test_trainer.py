@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
 from pathlib import Path
 
 import pytest
+from torch import nn
 
-from {{ cookiecutter.package_name }}.config import Config, ConfigError, DataConfig
+from {{ cookiecutter.package_name }}.config import Config, ConfigError, DataConfig, load_config
 from {{ cookiecutter.package_name }}.data import usable_cores
 from {{ cookiecutter.package_name }}.metrics import read_metrics
+from {{ cookiecutter.package_name }}.task import Task
 from {{ cookiecutter.package_name }}.train import main
 from {{ cookiecutter.package_name }}.trainer import batch_split, warmup_cosine
 
@@ -102,3 +105,22 @@ def test_auto_loader_workers_are_said_in_one_line(
     make_trainer(dataclasses.replace(fast_config, data=DataConfig(num_workers="auto")))
     assert "data.num_workers=auto:" in caplog.text
     assert "exceed its" not in caplog.text
+
+
+@pytest.mark.parametrize(("norm", "warnings"), [(nn.BatchNorm1d, 1), (nn.SyncBatchNorm, 0)])
+def test_batch_norm_is_announced_once_and_sync_batch_norm_not(
+    norm: type[nn.Module], warnings: int, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """BatchNorm normalizes with one rank's micro-batch; SyncBatchNorm with every rank's."""
+
+    class WithNorm(Task):
+        def build_model(self) -> nn.Module:
+            model = super().build_model()
+            model.added_norm = norm(4)
+            return model
+
+    config = load_config(None, [*FAST, f"run.dir={tmp_path}"])
+    with caplog.at_level(logging.WARNING):
+        make_trainer(config, task=WithNorm(config.task, seed=config.run.seed))
+    said = [r for r in caplog.records if "BatchNorm layer(s)" in r.getMessage()]
+    assert len(said) == warnings

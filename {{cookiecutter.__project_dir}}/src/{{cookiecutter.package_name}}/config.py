@@ -286,8 +286,9 @@ class DistConfig:
     every forward; turn it off for models without buffers that change. `find_unused_parameters`
     is needed only when some parameters get no gradient in a step (costs a graph traversal per
     step). `static_graph` declares that the same parameters are used every step (allows more
-    overlap). `comm_hook` compresses the gradients sent: fp16 (or bf16, NCCL only) halves the
-    bytes, `powersgd` sends a rank-`powersgd_rank` approximation after the lr warmup (much less,
+    overlap; refused with gradient accumulation, which DDP's static graph does not support).
+    `comm_hook` compresses the gradients sent: fp16 (or bf16, NCCL only) halves the bytes,
+    `powersgd` sends a rank-`powersgd_rank` approximation after the lr warmup (much less,
     lossy; its error feedback is not checkpointed, so a resumed run is no longer bitwise
     reproducible).
     """

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset, IterableDataset, default_collate
 
 CONTRACT_VERSION = 2
 
@@ -176,3 +176,23 @@ def adopt(task: object) -> TaskBase:
             f"{', '.join(REQUIRED)} (see contract.py)"
         )
     return task if isinstance(task, TaskBase) else _Adopted(task)
+
+
+def check_datasets(train: object, evaluation: object) -> None:
+    """Refuse, naming it, a data set the trainer cannot index: it gives each rank disjoint
+    indices, evaluates every sample once and resumes at the exact sample, all by index, so a
+    stream (an IterableDataset: Hugging Face streaming, webdataset) fails later in torch's own
+    words, inside the loader."""
+    for part, dataset in (("training", train), ("evaluation", evaluation)):
+        if isinstance(dataset, IterableDataset) or not (
+            hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
+        ):
+            raise TypeError(
+                f"build_datasets returned a {part} set that cannot be indexed "
+                f"({type(dataset).__name__}: an IterableDataset, or without __len__ and "
+                "__getitem__). The trainer needs map-style data sets: it shares them over the "
+                "ranks, evaluates every sample once and resumes at the exact sample by index. "
+                "Load the data whole (Hugging Face: load_dataset without streaming=True), or "
+                "write it once into files read by index, as the gpt example's token shards do "
+                "(docs: bring your own model, streaming data)."
+            )

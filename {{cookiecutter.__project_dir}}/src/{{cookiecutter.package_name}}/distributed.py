@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import inspect
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -50,6 +50,10 @@ class LaunchIncompleteError(RuntimeError):
 
 class ReplicaMismatchError(RuntimeError):
     """The model replicas on different ranks no longer hold the same parameters."""
+
+
+class GradientsNotReducedError(ReplicaMismatchError):
+    """DDP did not all-reduce a step's gradients: the task's code must change (exit 2)."""
 
 
 @dataclass(frozen=True)
@@ -363,6 +367,24 @@ def barrier(timeout_s: float | None = None, group: dist.ProcessGroup | None = No
         )
 
 
+def refuse_static_graph_with_accumulation(
+    config: DistConfig, accumulation_steps: int, batch: str
+) -> None:
+    """dist.static_graph and gradient accumulation (no_sync) do not go together in DDP
+    (pytorch/pytorch#143580): the backward fails with an internal assert, and torch's pending
+    fix leaves gradients that stop being all-reduced after the first step. As the accumulation
+    follows from the world size, a setting that trains on 8 GPUs would fail on 4: refused before
+    the process group starts, naming the batch split that needs the accumulation."""
+    if config.static_graph and accumulation_steps > 1:
+        raise ConfigError(
+            f"dist.static_graph=true cannot train with gradient accumulation, and {batch} takes "
+            f"{accumulation_steps} micro-batches per step: DDP's static graph fails under "
+            "no_sync (pytorch/pytorch#143580). Set dist.static_graph=false, or make a step one "
+            "micro-batch per rank (train.micro_batch_size at least train.global_batch_size / "
+            "ranks)."
+        )
+
+
 def wrap_ddp(
     model: torch.nn.Module, device: torch.device, config: DistConfig, powersgd_start_step: int
 ) -> DistributedDataParallel:
@@ -412,6 +434,60 @@ def check_replicas(model: torch.nn.Module, step: int) -> None:
             f"step {step}: parameters on rank(s) {differing} differ from rank 0. Look for "
             "parameter updates outside the optimizer step, or random ops that depend on the rank."
         )
+
+
+def check_gradients_reduced(
+    model: torch.nn.Module, step: int, device: torch.device, ignored: Collection[str] = ()
+) -> None:
+    """Raise on every rank if the gradients DDP should have all-reduced differ between ranks.
+
+    DDP reduces gradients only for a backward through its own forward: a training_loss that
+    calls a method of the inner module (`model.module.losses(...)`, or
+    `getattr(model, "module", model)`, a common way to reach a GAN's two halves) skips it, and
+    each rank steps on its own gradients to the end of the run. After the all-reduce every
+    rank holds the same bits, so one float64 checksum per parameter, all-gathered once,
+    shows it. `ignored`: parameters DDP was told to leave alone.
+    """
+    if not is_distributed():
+        return
+    trainable = [
+        (name, param)
+        for name, param in model.named_parameters()
+        if param.requires_grad and name not in ignored
+    ]
+    named = [(name, param) for name, param in trainable if param.grad is not None]
+    with torch.no_grad():
+        local = torch.zeros(len(named), dtype=torch.float64, device=device)
+        for index, (_, param) in enumerate(named):
+            local[index] = param.grad.detach().double().sum().to(device)
+    rows = torch.nan_to_num(gather_rows(local), nan=0.0)
+    differing = [
+        name
+        for (name, _), column in zip(named, rows.T, strict=True)
+        if not (column == column[0]).all()
+    ]
+    if differing and (without := [n for n, p in trainable if p.grad is None]):
+        raise GradientsNotReducedError(
+            f"step {step}: {len(without)} parameter(s) got no gradient ({_some(without)}), so DDP "
+            "never finished all-reducing the others. Set dist.find_unused_parameters=true "
+            "(costs a graph traversal per step), or make every parameter take part in the loss."
+        )
+    if differing:
+        raise GradientsNotReducedError(
+            f"step {step}: the gradients of {len(differing)} of {len(named)} parameter(s) differ "
+            f"between ranks ({_some(differing)}): "
+            "DDP did not all-reduce them. DDP reduces gradients only for a backward through its "
+            "own forward, so training_loss must call the model it is given (`model(...)`); "
+            "calling a method of the inner module (`model.module.f(...)`, "
+            "`getattr(model, 'module', model).f(...)`) skips it and every rank trains alone. "
+            "Put what the loss needs in the model's forward (it may return several outputs, or "
+            "take an argument that chooses the part to run)."
+        )
+
+
+def _some(names: list[str]) -> str:
+    """The first three names, and an ellipsis for the rest."""
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,15 @@ from .checkpoint import (
     restore_run_files,
 )
 from .config import Config, ConfigError, DistConfig, load_config, settings, to_yaml
-from .distributed import DistEnv, barrier, detect_env, open_store, process_group
+from .distributed import (
+    DistEnv,
+    GradientsNotReducedError,
+    barrier,
+    detect_env,
+    open_store,
+    process_group,
+    refuse_static_graph_with_accumulation,
+)
 from .divergence import EXIT_DIVERGED, DivergenceError
 from .launch import exit_status_recorded
 from .logs import setup_logging
@@ -146,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchIncompleteError as error:
         log.error("%s", error)
         return 1
-    except (ResumeError, WeightsError, ConfigError) as error:
+    except (ResumeError, WeightsError, ConfigError, GradientsNotReducedError) as error:
         log.error("%s", error)
         return 2
     except DivergenceError as error:
@@ -178,7 +186,15 @@ def checked_config(
     try:
         config = load_config(path, overrides)
         # Checked before any process group starts: a bad batch split fails fast on every rank.
-        batch_split(config.train.global_batch_size, config.train.micro_batch_size, env.world_size)
+        train = config.train
+        _, accumulation = batch_split(
+            train.global_batch_size, train.micro_batch_size, env.world_size
+        )
+        batch = (
+            f"train.global_batch_size={train.global_batch_size} on {env.world_size} rank(s) "
+            f"with train.micro_batch_size={train.micro_batch_size}"
+        )
+        refuse_static_graph_with_accumulation(config.dist, accumulation, batch)
         return config
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)

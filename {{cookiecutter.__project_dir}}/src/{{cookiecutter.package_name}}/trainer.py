@@ -45,12 +45,13 @@ from .checkpoint import (
     save_timeout_s,
     set_aside,
 )
-from .config import Config, ConfigError, to_yaml
-from .contract import TaskBase, adopt
+from .config import BestConfig, Config, ConfigError, to_yaml
+from .contract import TaskBase, adopt, check_datasets
 from .data import build_eval_loader, build_train_loader, loader_workers, usable_cores
 from .distributed import (
     DistEnv,
     all_reduce_sum,
+    check_gradients_reduced,
     check_replicas,
     gather_objects,
     gather_rows,
@@ -184,6 +185,7 @@ class Trainer:
         self._seed_rank_streams()
 
         train_set, eval_set = self.task.build_datasets()
+        check_datasets(train_set, eval_set)
         workers = self._loader_workers()
         # Worker processes seed each sample's random draws; the training process draws from
         # the rank's own streams: ranks mixing the two would augment differently.
@@ -248,6 +250,8 @@ class Trainer:
         # fp16's loss scaler skips the steps whose gradients overflow: only its losses count.
         self.guard = DivergenceGuard(device, watch_gradients=train.mixed_precision != "fp16")
         self.skipped_steps = 0
+        #: Whether this launch's first step found its gradients all-reduced (a task may skip DDP).
+        self.gradients_checked = False
         self.best = BestCheckpoint(config.best)
         self.saved_step: int | None = None
 
@@ -289,8 +293,12 @@ class Trainer:
         return workers
 
     def _announce_batch_norm(self) -> None:
-        """Batch statistics come from each rank's micro-batch: say what that means, once."""
-        norms = sum(isinstance(module, _BatchNorm) for module in self.model.modules())
+        """Batch statistics come from each rank's micro-batch: say what that means, once.
+        SyncBatchNorm takes them over every rank's, which is what it is for: not counted."""
+        norms = sum(
+            isinstance(module, _BatchNorm) and not isinstance(module, torch.nn.SyncBatchNorm)
+            for module in self.model.modules()
+        )
         if norms and self.env.is_main:
             log.warning(
                 "the model has %d BatchNorm layer(s): in training they normalize with the "
@@ -367,6 +375,11 @@ class Trainer:
             if pending is not None:
                 pending.wait()
             self._rescale_gradients(self.config.train.global_batch_size / step_count.clamp(min=1))
+        if not self.gradients_checked:  # the launch's first step: were they all-reduced?
+            self.gradients_checked = True
+            if self.ddp is not None:
+                ignored = getattr(self.ddp, "parameters_to_ignore", ())
+                check_gradients_reduced(self.model, self.step + 1, self.device, ignored)
         grad_clip = self.config.optim.grad_clip
         skipping = self.config.train.on_nonfinite == "skip"
         grad_norm = None
@@ -679,13 +692,7 @@ class Trainer:
             return
         meter = self.meter
         rate = self.total_units / max(meter.total_train_s, 1e-9)
-        evals = [
-            (r["eval/loss"], r["step"]) for r in read_metrics(self.local_dir) if "eval/loss" in r
-        ]
-        best = "no evaluation yet"
-        if evals:
-            loss, step = min(evals)
-            best = f"best eval loss {loss:.4f} at step {step}"
+        best = best_evaluation(read_metrics(self.local_dir), self.config.best)
         newest = latest_checkpoint(self.run_dir)
         log.info(
             "summary: steps %d..%d of %d in %.1f s (%.0f %s/s while training); %s; "
@@ -998,6 +1005,20 @@ class Trainer:
         if self.ema is not None:
             export_weights(self.ema.module, self.local_dir, config_yaml, name="model_ema")
         log.info("exported the weights to %s", path.parent)
+
+
+def best_evaluation(records: list[dict[str, Any]], best: BestConfig) -> str:
+    """The summary's word on evaluation: the best value of `best.metric`, or of eval/loss
+    (lowest) when it is not set; a task whose metrics hold no loss is told how to name one."""
+    metric = best.metric or "eval/loss"
+    sign = -1 if best.metric and best.mode == "max" else 1
+    found = [(sign * record[metric], record["step"]) for record in records if metric in record]
+    if found:
+        value, step = min(found)
+        return f"best {metric} {sign * value:.4f} at step {step}"
+    if any(key.startswith("eval") for record in records for key in record):
+        return f"evaluated, without {metric} (best.metric names the metric to report)"
+    return "no evaluation yet"
 
 
 def _window_state(rank_state: dict[str, Any], accumulation_steps: int) -> dict[str, torch.Tensor]:
