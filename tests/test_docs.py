@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,3 +88,15 @@ def test_the_architecture_page_names_every_module_of_the_package_and_no_other() 
     modules = {path.stem for path in PACKAGE_DIR.glob("*.py")} - {"__init__"}
     assert sorted(modules - named) == [], "modules missing from docs/architecture.md"
     assert sorted(named - modules) == [], "docs/architecture.md names modules that are gone"
+
+
+def test_the_architecture_page_shows_the_step_as_the_trainer_has_it() -> None:
+    """The page's copy of `train_step` (its body but the docstring and the return) is the code."""
+    source = (PACKAGE_DIR / "trainer.py").read_text()
+    step = source[source.index("    def train_step(") :]
+    body = step[step.index('"""\n', step.index('"""') + 3) + 4 : step.index("        return ")]
+    code = textwrap.dedent(body).strip()
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    shown = page[page.index("```python\n", page.index("### One step")) + 10 :]
+    shown = shown[: shown.index("\n```")]
+    assert shown == code, "docs/architecture.md: copy train_step's body into 'One step'"

@@ -367,6 +367,23 @@ def barrier(timeout_s: float | None = None, group: dist.ProcessGroup | None = No
         )
 
 
+@contextmanager
+def unused_parameters_hint() -> Iterator[None]:
+    """DDP's error for a parameter that got no gradient in a step, with the setting that
+    allows it in front: DDP's own words do not name it."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "find_unused_parameters" in str(error):
+            raise RuntimeError(
+                "some parameters got no gradient in a step, so DDP never finished reducing "
+                "gradients. Set dist.find_unused_parameters=true (costs a graph traversal per "
+                "step), or make every parameter take part in the loss. DDP's own message "
+                "follows."
+            ) from error
+        raise
+
+
 def refuse_static_graph_with_accumulation(
     config: DistConfig, accumulation_steps: int, batch: str
 ) -> None:

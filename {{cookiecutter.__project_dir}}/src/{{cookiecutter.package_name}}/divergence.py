@@ -15,10 +15,13 @@ every value is finite.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 #: The exit status of a run that stopped on non-finite values: not resumable as it is.
 EXIT_DIVERGED = 3
@@ -40,19 +43,22 @@ class DivergenceGuard:
         # The first step seen non-finite, per field; inf: none so far. Kept as a running
         # minimum: a few tiny device ops per step, no comparison with what was there.
         self._first = torch.full((len(self.FIELDS),), math.inf, dtype=torch.float64, device=device)
-        self._step_loss: torch.Tensor | None = None
 
-    def observe_loss(self, loss: torch.Tensor) -> None:
-        """Add a micro-batch's loss to the step's: a sum is finite only if every term is."""
-        loss = loss.detach()
-        self._step_loss = loss if self._step_loss is None else self._step_loss + loss
-
-    def end_step(self, step: int, grad_norm: torch.Tensor | None, skipped: bool = False) -> None:
-        """Record `step` where its loss (or gradient norm, when computed) is first non-finite;
-        a step skipped for its non-finite gradients (train.on_nonfinite=skip) is not recorded."""
-        loss, self._step_loss = self._step_loss, None
-        if skipped or loss is None:
+    def end_step(
+        self,
+        step: int,
+        losses: list[torch.Tensor],
+        grad_norm: torch.Tensor | None,
+        skipped: bool = False,
+    ) -> None:
+        """Record `step` where its loss (the sum of its micro-batches' `losses`: finite only if
+        every term is) or gradient norm, when computed, is first non-finite; a step skipped for
+        its non-finite gradients (train.on_nonfinite=skip) is not recorded."""
+        if skipped or not losses:
             return
+        loss = losses[0].detach()
+        for more in losses[1:]:
+            loss = loss + more.detach()
         if grad_norm is not None and self.watch_gradients:
             values = torch.stack([loss.double(), grad_norm.detach().double()])
             self._mark(slice(0, 2), values, step)
@@ -109,3 +115,35 @@ class DivergenceGuard:
             "something changes: a lower optim.lr, optim.grad_clip, the data at that step, or "
             "train.on_nonfinite=skip to skip such steps."
         )
+
+
+class SkipPolicy:
+    """train.on_nonfinite=skip: a step whose gradient norm is not finite leaves the weights,
+    the optimizer's moments and the moving average as they are, on every rank alike (the norm
+    is taken after the all-reduce); the run stops once more than `limit` steps were skipped."""
+
+    def __init__(self, enabled: bool, limit: int, is_main: bool) -> None:
+        self.enabled = enabled
+        self.limit = limit
+        self.is_main = is_main
+        #: Steps skipped in the run (in every checkpoint).
+        self.skipped = 0
+
+    def skips(self, step: int, grad_norm: torch.Tensor | None) -> bool:
+        """Whether `step` is skipped. Reads the norm, which waits for the device: the price of
+        this policy, once per step."""
+        if not self.enabled or grad_norm is None or bool(torch.isfinite(grad_norm)):
+            return False
+        self.skipped += 1
+        message = (
+            f"step {step}: the gradient norm is {grad_norm.item()}; the step is skipped on every "
+            f"rank ({self.skipped} skipped, at most {self.limit})"
+        )
+        if self.skipped > self.limit:
+            raise DivergenceError(
+                f"{message}: too many. The newest checkpoint holds only finite values. Lower "
+                "optim.lr, set optim.grad_clip, or check the data around that step."
+            )
+        if self.is_main:
+            log.warning("%s", message)
+        return True

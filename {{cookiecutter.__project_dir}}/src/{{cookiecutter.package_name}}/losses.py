@@ -1,8 +1,9 @@
 """What a task's training loss is, and the sums that the log line reports.
 
 `training_loss` (contract.py) returns a micro-batch mean, a (sum, count) pair, or a dict that
-adds named components; `MicroLoss.of` reads any of them. The trainer sums everything it logs
-in a `WindowSums` until the next log line, where the ranks' sums are gathered once.
+adds named components; `MicroLoss.of` reads any of them, and `StepLoss` scales them so that a
+step's gradient is the global batch's. The trainer sums everything it logs in a `WindowSums`
+until the next log line, where the ranks' sums are gathered once.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from .contract import LossResult
+from .distributed import is_distributed
 
 
 @dataclass
@@ -37,6 +40,102 @@ class MicroLoss:
             "(loss_sum, count), or a dict with 'loss', optionally 'count', and named scalar "
             f"components; got {type(result).__name__}"
         )
+
+
+class StepLoss:
+    """The losses of one optimizer step's micro-batches, scaled for backward so that the step's
+    gradient is that of the global batch, on any world size and accumulation.
+
+    A mean loss weighs every micro-batch alike: it is backpropagated over the accumulation
+    steps. A (sum, count) loss is backpropagated as sum / (samples per rank per step), and once
+    DDP has averaged the gradients, `rescale_gradients` multiplies them by global batch / global
+    count: the gradient of the global batch's sum over its total count. The counts' all-reduce
+    starts before the last backward and runs during it. Nothing here waits for the device.
+    """
+
+    def __init__(
+        self,
+        accumulation_steps: int,
+        micro_batch_size: int,
+        global_batch_size: int,
+        device: torch.device,
+    ) -> None:
+        self.accumulation_steps = accumulation_steps
+        self.micro_batch_size = micro_batch_size
+        self.global_batch_size = global_batch_size
+        self.device = device
+        #: Whether the task's losses are (sum, count) pairs; fixed by its first micro-batch.
+        self.is_sum: bool | None = None
+        #: This step's micro-batch losses, as the task returned them.
+        self.losses: list[MicroLoss] = []
+        self._count: torch.Tensor | None = None
+        self._reducing: dist.Work | None = None
+
+    def start(self) -> None:
+        """Forget the previous step's losses."""
+        self.losses = []
+        self._count = None
+        self._reducing = None
+
+    def add(self, result: LossResult, last: bool) -> torch.Tensor:
+        """What to backpropagate for a micro-batch's `training_loss`; on the step's `last`
+        micro-batch, the sum of the step's counts over the ranks starts."""
+        loss = self._same_form(MicroLoss.of(result))
+        self.losses.append(loss)
+        if loss.count is None:
+            scaled = loss.value / self.accumulation_steps
+        else:
+            count = self._device_count(loss.count)
+            self._count = count if self._count is None else self._count + count
+            scaled = loss.value / (self.micro_batch_size * self.accumulation_steps)
+        if last and self._count is not None and is_distributed():
+            self._reducing = dist.all_reduce(self._count, op=dist.ReduceOp.SUM, async_op=True)
+        return scaled
+
+    def rescale_gradients(self, model: torch.nn.Module) -> None:
+        """(sum, count) losses: the averaged gradients times global batch / global count, a
+        device scalar (no wait for the device). Nothing to do for mean losses."""
+        if self._count is None:
+            return
+        if self._reducing is not None:
+            self._reducing.wait()
+        factor = self.global_batch_size / self._count.clamp(min=1)
+        grads = [param.grad for param in model.parameters() if param.grad is not None]
+        for dtype in {grad.dtype for grad in grads}:
+            same = [grad for grad in grads if grad.dtype == dtype]
+            torch._foreach_mul_(same, factor.to(dtype))
+
+    def add_to(self, window: WindowSums) -> None:
+        """What the next log line reports: the step's losses and components with their counts
+        (a skipped step's are left out)."""
+        for loss in self.losses:
+            window.add("loss", loss.value)
+            window.add("count", 1 if loss.count is None else loss.count)
+            for name, value in loss.parts.items():
+                window.add(f"part/{name}", value)
+
+    def values(self) -> list[torch.Tensor]:
+        """The step's micro-batch losses, for the divergence guard."""
+        return [loss.value for loss in self.losses]
+
+    def _same_form(self, loss: MicroLoss) -> MicroLoss:
+        """The task's loss keeps one form (mean, or sum and count) for the whole run."""
+        is_sum = loss.count is not None
+        if self.is_sum is None:
+            self.is_sum = is_sum
+        elif is_sum != self.is_sum:
+            raise TypeError(
+                "training_loss returned a count for some micro-batches and not for others: "
+                "return (loss_sum, count) always, or a mean always"
+            )
+        return loss
+
+    def _device_count(self, count: torch.Tensor | float) -> torch.Tensor:
+        """A count as a float64 device scalar; a number is filled in on the device, since
+        copying it there would wait for the device."""
+        if isinstance(count, torch.Tensor):
+            return count.to(self.device, torch.float64)
+        return torch.full((), float(count), dtype=torch.float64, device=self.device)
 
 
 class WindowSums:

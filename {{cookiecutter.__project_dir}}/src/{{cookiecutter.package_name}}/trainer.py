@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
@@ -55,13 +54,13 @@ from .distributed import (
     check_replicas,
     gather_objects,
     gather_rows,
-    is_distributed,
     step_group,
+    unused_parameters_hint,
     wrap_ddp,
 )
-from .divergence import DivergenceError, DivergenceGuard
+from .divergence import DivergenceGuard, SkipPolicy
 from .logs import ProgressBar
-from .losses import MicroLoss, WindowSums
+from .losses import StepLoss, WindowSums
 from .metrics import MetricsLogger, read_metrics
 from .optimizer import build_optimizer, follow_settings, own_options
 from .profiling import StepProfiler
@@ -74,11 +73,6 @@ from .weights import export_weights, load_initial_weights
 log = logging.getLogger(__name__)
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
-UNUSED_PARAMETERS_HINT = (
-    "some parameters got no gradient in a step, so DDP never finished reducing gradients. Set "
-    "dist.find_unused_parameters=true (costs a graph traversal per step), or make every "
-    "parameter take part in the loss. DDP's own message follows."
-)
 
 
 def batch_split(global_batch_size: int, max_micro: int, world_size: int) -> tuple[int, int]:
@@ -245,11 +239,12 @@ class Trainer:
         # checkpoint so that resumed logs match.
         self.window = WindowSums(device)
         self.total_units = 0.0
-        #: Whether the task's losses are (sum, count) pairs; fixed by its first micro-batch.
-        self.loss_is_sum: bool | None = None
+        self.step_loss = StepLoss(
+            self.accumulation_steps, self.micro_batch_size, train.global_batch_size, device
+        )
         # fp16's loss scaler skips the steps whose gradients overflow: only its losses count.
         self.guard = DivergenceGuard(device, watch_gradients=train.mixed_precision != "fp16")
-        self.skipped_steps = 0
+        self.skips = SkipPolicy(train.on_nonfinite == "skip", train.max_skipped_steps, env.is_main)
         #: Whether this launch's first step found its gradients all-reduced (a task may skip DDP).
         self.gradients_checked = False
         self.best = BestCheckpoint(config.best)
@@ -330,138 +325,75 @@ class Trainer:
         return self.ddp.no_sync()
 
     def train_step(self, batches: Iterator[Any]) -> torch.Tensor | None:
-        """One optimizer step over `accumulation_steps` micro-batches.
-
-        A mean loss weighs every micro-batch alike. A (sum, count) loss is backpropagated as
-        sum / (samples per rank per step), and once DDP has averaged the gradients they are
-        scaled by global batch / global count: the gradient of the global batch's sum over its
-        total count, on any world size. The count's all-reduce runs during the last backward.
+        """One optimizer step over `accumulation_steps` micro-batches, in nanoGPT's shape:
+        forward and backward of each (DDP all-reduces the gradients on the last only), then
+        unscale, clip, step, schedule. The loss's scaling over micro-batches and ranks is
+        losses.StepLoss's; the non-finite guard and skipping are divergence.py's.
 
         Returns the gradient norm before clipping when it is computed anyway (clipping on) or
         will be logged after this step, else None. Nothing in a step waits for the device
-        (fp16's inf/nan check and train.on_nonfinite=skip aside). Whether the loss and the
-        gradient norm are finite is recorded on the device (divergence.py).
+        (fp16's inf/nan check and train.on_nonfinite=skip aside).
         """
-        step_count: torch.Tensor | None = None
-        losses: list[MicroLoss] = []
-        try:
+        losses = self.step_loss
+        losses.start()
+        with unused_parameters_hint():
             for micro_step in range(self.accumulation_steps):
                 last = micro_step == self.accumulation_steps - 1
-                waiting = time.perf_counter()
-                batch = move_to_device(next(batches), self.device)
-                self.meter.data_wait_s += time.perf_counter() - waiting
+                batch = self._next_batch(batches)
                 with self._sync_context(last_micro_step=last):
                     with self.autocast():
-                        loss = self._micro_loss(self.task.training_loss(self.ddp_model, batch))
-                    self.guard.observe_loss(loss.value)
-                    if loss.count is None:
-                        scaled = loss.value / self.accumulation_steps
-                    else:
-                        count = self._device_count(loss.count)
-                        step_count = count if step_count is None else step_count + count
-                        scaled = loss.value / (self.micro_batch_size * self.accumulation_steps)
-                    pending = self._start_count_reduce(step_count) if last else None
-                    self.scaler.scale(scaled).backward()
-                losses.append(loss)
-                units = self.task.units(batch)
-                self.window.add("units", self.units_per_micro_batch if units is None else units)
-        except RuntimeError as error:
-            if "find_unused_parameters" in str(error):
-                raise RuntimeError(UNUSED_PARAMETERS_HINT) from error
-            raise
-        # Clip the true gradients: unscale first (a no-op unless fp16 loss scaling is on).
-        self.scaler.unscale_(self.optimizer)
-        if step_count is not None:
-            if pending is not None:
-                pending.wait()
-            self._rescale_gradients(self.config.train.global_batch_size / step_count.clamp(min=1))
-        if not self.gradients_checked:  # the launch's first step: were they all-reduced?
-            self.gradients_checked = True
-            if self.ddp is not None:
-                ignored = getattr(self.ddp, "parameters_to_ignore", ())
-                check_gradients_reduced(self.model, self.step + 1, self.device, ignored)
-        grad_clip = self.config.optim.grad_clip
-        skipping = self.config.train.on_nonfinite == "skip"
-        grad_norm = None
-        if grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
-        elif skipping or self._due(self.config.train.log_every, self.step + 1):
-            grads = [param.grad for param in self.model.parameters() if param.grad is not None]
-            grad_norm = torch.nn.utils.get_total_norm(grads)
-        # The gradients were all-reduced, so every rank sees the same norm and skips alike.
-        skip = skipping and grad_norm is not None and not bool(torch.isfinite(grad_norm))
-        if skip:
-            self._skip_step(grad_norm)
-        else:
-            # With fp16, a step whose gradients hold inf/nan is skipped on every rank alike.
-            self.scaler.step(self.optimizer)
+                        loss = losses.add(self.task.training_loss(self.ddp_model, batch), last)
+                    self.scaler.scale(loss).backward()
+                self._count_units(batch)
+        self.scaler.unscale_(self.optimizer)  # the true gradients (fp16 scales the loss)
+        losses.rescale_gradients(self.model)
+        self._check_gradients_once()
+        grad_norm = self._clip_gradients()
+        skip = self.skips.skips(self.step + 1, grad_norm)
+        if not skip:
+            self.scaler.step(self.optimizer)  # with fp16, skipped on every rank on inf/nan
             self.scaler.update()
             if self.ema is not None:
                 self.ema.update_parameters(self.model)
-            for loss in losses:
-                self._add_to_window(loss)
-        self.guard.end_step(self.step + 1, grad_norm, skipped=skip)
+            losses.add_to(self.window)
+        self.guard.end_step(self.step + 1, losses.values(), grad_norm, skipped=skip)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return grad_norm
 
-    def _skip_step(self, grad_norm: torch.Tensor) -> None:
-        """Leave the weights, the optimizer's moments and the moving average as they are
-        (train.on_nonfinite=skip); stop once more than train.max_skipped_steps were skipped."""
-        self.skipped_steps += 1
-        limit = self.config.train.max_skipped_steps
-        message = (
-            f"step {self.step + 1}: the gradient norm is {grad_norm.item()}; the step is "
-            f"skipped on every rank ({self.skipped_steps} skipped, at most {limit})"
-        )
-        if self.skipped_steps > limit:
-            raise DivergenceError(
-                f"{message}: too many. The newest checkpoint holds only finite values. Lower "
-                "optim.lr, set optim.grad_clip, or check the data around that step."
+    def _next_batch(self, batches: Iterator[Any]) -> Any:
+        """The next micro-batch on the device; the wait for it is the log line's data wait."""
+        waiting = time.perf_counter()
+        batch = move_to_device(next(batches), self.device)
+        self.meter.data_wait_s += time.perf_counter() - waiting
+        return batch
+
+    def _count_units(self, batch: Any) -> None:
+        """The throughput units of a micro-batch (task.units, or its samples)."""
+        units = self.task.units(batch)
+        self.window.add("units", self.units_per_micro_batch if units is None else units)
+
+    def _check_gradients_once(self) -> None:
+        """At the first step of a launch: did DDP all-reduce the gradients? A task whose loss
+        skips DDP's forward would train every rank alone."""
+        if self.gradients_checked:
+            return
+        self.gradients_checked = True
+        if self.ddp is not None:
+            ignored = getattr(self.ddp, "parameters_to_ignore", ())
+            check_gradients_reduced(self.model, self.step + 1, self.device, ignored)
+
+    def _clip_gradients(self) -> torch.Tensor | None:
+        """Clip to optim.grad_clip (the norm before clipping); else the norm only when the skip
+        policy or the next log line needs it."""
+        if self.config.optim.grad_clip > 0:
+            return torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), self.config.optim.grad_clip
             )
-        if self.env.is_main:
-            log.warning("%s", message)
-
-    def _micro_loss(self, result: Any) -> MicroLoss:
-        """The task's loss, which must keep one form (mean, or sum and count) for the run."""
-        loss = MicroLoss.of(result)
-        is_sum = loss.count is not None
-        if self.loss_is_sum is None:
-            self.loss_is_sum = is_sum
-        elif is_sum != self.loss_is_sum:
-            raise TypeError(
-                "training_loss returned a count for some micro-batches and not for others: "
-                "return (loss_sum, count) always, or a mean always"
-            )
-        return loss
-
-    def _device_count(self, count: torch.Tensor | float) -> torch.Tensor:
-        """A count as a float64 device scalar; a number is filled in on the device, since
-        copying it there would wait for the device."""
-        if isinstance(count, torch.Tensor):
-            return count.to(self.device, torch.float64)
-        return torch.full((), float(count), dtype=torch.float64, device=self.device)
-
-    def _start_count_reduce(self, count: torch.Tensor | None) -> dist.Work | None:
-        """Sum the step's counts over ranks, overlapped with the last backward."""
-        if count is None or not is_distributed():
-            return None
-        return dist.all_reduce(count, op=dist.ReduceOp.SUM, async_op=True)
-
-    def _rescale_gradients(self, factor: torch.Tensor) -> None:
-        """Multiply every gradient by `factor`, a device scalar: no wait for the device."""
-        grads = [param.grad for param in self.model.parameters() if param.grad is not None]
-        for dtype in {grad.dtype for grad in grads}:
-            same = [grad for grad in grads if grad.dtype == dtype]
-            torch._foreach_mul_(same, factor.to(dtype))
-
-    def _add_to_window(self, loss: MicroLoss) -> None:
-        """What the next log line reports: loss and components summed with their counts (a
-        skipped step's are left out)."""
-        self.window.add("loss", loss.value)
-        self.window.add("count", 1 if loss.count is None else loss.count)
-        for name, value in loss.parts.items():
-            self.window.add(f"part/{name}", value)
+        if self.skips.enabled or self._due(self.config.train.log_every, self.step + 1):
+            grads = [param.grad for param in self.model.parameters() if param.grad is not None]
+            return torch.nn.utils.get_total_norm(grads)
+        return None
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -776,7 +708,7 @@ class Trainer:
             "task": self.task.state_dict(),
             "ema": None if self.ema is None else self.ema.state_dict(),
             "best": self.best.state_dict(),
-            "skipped_steps": self.skipped_steps,
+            "skipped_steps": self.skips.skipped,
             "world_size": self.env.world_size,
             "global_batch_size": self.config.train.global_batch_size,
             "config": self.config.to_dict(),
@@ -934,7 +866,7 @@ class Trainer:
         )
         self._resume_ema(state.get("ema"), announce)
         self.best.load_state_dict(state.get("best"), announce)
-        self.skipped_steps = state.get("skipped_steps", 0)
+        self.skips.skipped = state.get("skipped_steps", 0)
         if "task" in state:  # checkpoints of contract version 1 hold no task state
             self.task.load_state_dict(state["task"])
         self.step = state["step"]
