@@ -27,7 +27,7 @@ from {{ cookiecutter.package_name }}.config import (
     to_yaml,
 )
 from {{ cookiecutter.package_name }}.resume import changed_settings
-from {{ cookiecutter.package_name }}.task import TaskConfig
+from {{ cookiecutter.package_name }}.task import Task, TaskConfig
 from {{ cookiecutter.package_name }}.train import main, parse_args
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -138,6 +138,20 @@ def test_a_static_graph_is_refused_where_the_world_size_needs_gradient_accumulat
     split = "train.global_batch_size=64 on 1 rank(s) with train.micro_batch_size=32 takes 2 "
     assert split in error
     assert main([*static, "train.micro_batch_size=64"]) == 0
+
+
+def test_a_whole_batch_loss_is_refused_where_the_world_size_needs_gradient_accumulation(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A loss that reads the step's samples together (Task.whole_batch_loss) would become
+    another loss per micro-batch: refused naming the micro-batch size that avoids it."""
+    monkeypatch.setattr(Task, "whole_batch_loss", True, raising=False)
+    settings = ["--print-config", "train.global_batch_size=64"]
+    assert main([*settings, "train.micro_batch_size=16"]) == 2
+    error = capsys.readouterr().err
+    assert "Task.whole_batch_loss" in error and "takes 4 micro-batches per step" in error
+    assert "Set train.micro_batch_size=64 (train.global_batch_size / ranks)" in error
+    assert main([*settings, "train.micro_batch_size=64"]) == 0
 
 
 def test_file_that_is_not_a_mapping_is_a_clear_error(tmp_path: Path) -> None:

@@ -84,6 +84,15 @@ class RunConfig:
     #: Seeds the initial weights, the data order and every random stream.
     seed: int = 1234
 
+    def validate(self) -> None:
+        if is_url(self.dir) and (problem := url_problem(self.dir)):
+            raise ConfigError(problem)
+        if self.local_dir and not is_url(self.dir):
+            raise ConfigError(
+                f"run.local_dir={self.local_dir} is for a run.dir on an object store; with "
+                f"run.dir={self.dir}, logs and metrics are in run.dir itself: drop run.local_dir"
+            )
+
 
 @dataclass
 class DataConfig:
@@ -109,6 +118,11 @@ class DataConfig:
     #: Page-locked batches, for faster copies to a GPU (ignored on CPU).
     pin_memory: bool = True
 
+    def validate(self) -> None:
+        _positive("data", prefetch_factor=self.prefetch_factor)
+        if self.num_workers != "auto" and self.num_workers < 0:
+            raise ConfigError(f"data.num_workers must be >= 0 or auto, got {self.num_workers}")
+
 
 @dataclass
 class OptimConfig:
@@ -126,6 +140,20 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     #: Clip the gradients' global norm to this; 0 does not clip.
     grad_clip: float = 1.0
+
+    def validate(self) -> None:
+        _not_negative(
+            "optim",
+            warmup_steps=self.warmup_steps,
+            weight_decay=self.weight_decay,
+            grad_clip=self.grad_clip,
+        )
+        if not all(0 <= beta < 1 for beta in self.betas):
+            raise ConfigError(f"optim.betas must both be in [0, 1), got {list(self.betas)}")
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr must be positive, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
 @dataclass
@@ -181,6 +209,29 @@ class TrainConfig:
     #: With on_nonfinite=skip, the run stops once this many steps were skipped.
     max_skipped_steps: int = 10
 
+    def validate(self) -> None:
+        _positive(
+            "train",
+            global_batch_size=self.global_batch_size,
+            micro_batch_size=self.micro_batch_size,
+            eval_batch_size=self.eval_batch_size,
+            log_every=self.log_every,
+            eval_every=self.eval_every,
+        )
+        _not_negative("train", max_skipped_steps=self.max_skipped_steps)
+        if self.epochs <= 0 and self.max_steps <= 0:
+            raise ConfigError("set train.epochs or train.max_steps to a positive number")
+        if self.peak_tflops < 0:
+            raise ConfigError(
+                f"train.peak_tflops must be >= 0 (0 looks the GPU up), got {self.peak_tflops}"
+            )
+        if self.on_nonfinite == "skip" and self.mixed_precision == "fp16":
+            raise ConfigError(
+                "train.on_nonfinite=skip cannot be used with train.mixed_precision=fp16: fp16's "
+                "loss scaler already skips the steps whose gradients overflow. Use "
+                "on_nonfinite=stop (a non-finite loss then stops the run), or bf16."
+            )
+
 
 @dataclass
 class CheckpointConfig:
@@ -219,6 +270,14 @@ class CheckpointConfig:
     #: Write scheduled checkpoints in the background; training pauses only to copy the state.
     async_save: bool = field(default=False, metadata={"key": "async"})
 
+    def validate(self) -> None:
+        _positive("checkpoint", every_steps=self.every_steps, keep_last=self.keep_last)
+        if self.stop_check_s < 0:
+            raise ConfigError(
+                f"checkpoint.stop_check_s must be >= 0 (0 checks after every step), "
+                f"got {self.stop_check_s}"
+            )
+
 
 @dataclass
 class BestConfig:
@@ -241,6 +300,19 @@ class BestConfig:
     #: Stop after this many evaluations without improvement; 0: never.
     patience: int = 0
 
+    def validate(self) -> None:
+        _not_negative("best", min_delta=self.min_delta, patience=self.patience)
+        if self.patience and not self.metric:
+            raise ConfigError(
+                "best.patience needs best.metric: the evaluation metric whose improvement it "
+                "waits for (e.g. best.metric=eval/loss)"
+            )
+        if self.metric and not self.metric.startswith(("eval/", "eval_ema/")):
+            raise ConfigError(
+                f"best.metric={self.metric} is not an evaluation metric: name one as "
+                "metrics.jsonl records it, e.g. eval/loss, eval/accuracy or eval_ema/loss"
+            )
+
 
 @dataclass
 class EmaConfig:
@@ -254,6 +326,10 @@ class EmaConfig:
     #: Decay of the weights' moving average per step (e.g. 0.999); 0: off.
     decay: float = 0.0
 
+    def validate(self) -> None:
+        if not 0 <= self.decay < 1:
+            raise ConfigError(f"ema.decay must be in [0, 1) (0 turns EMA off), got {self.decay}")
+
 
 @dataclass
 class InitConfig:
@@ -266,6 +342,13 @@ class InitConfig:
 
     #: Initial weights: a run dir, checkpoint dir, .pt or .safetensors file; empty: none.
     weights: str = ""
+
+    def validate(self) -> None:
+        if self.weights and not Path(self.weights).exists():
+            raise ConfigError(
+                f"init.weights={self.weights} does not exist. Give a run directory, a "
+                "checkpoint directory, a .pt or a .safetensors file, or leave it empty."
+            )
 
 
 @dataclass
@@ -318,6 +401,17 @@ class DistConfig:
     #: Train on ranks with different GPU types (refused by default).
     allow_mixed_devices: bool = False
 
+    def validate(self) -> None:
+        _positive(
+            "dist",
+            timeout_s=self.timeout_s,
+            barrier_timeout_s=self.barrier_timeout_s,
+            bucket_cap_mb=self.bucket_cap_mb,
+            powersgd_rank=self.powersgd_rank,
+        )
+        if self.check_replicas_every < 0:
+            raise ConfigError("dist.check_replicas_every must be >= 0 (0 turns the check off)")
+
 
 @dataclass
 class ProfileConfig:
@@ -333,6 +427,10 @@ class ProfileConfig:
     wait_steps: int = 5
     #: Steps to record.
     active_steps: int = 3
+
+    def validate(self) -> None:
+        _positive("profile", active_steps=self.active_steps)
+        _not_negative("profile", wait_steps=self.wait_steps)
 {%- if cookiecutter.tracker != "none" %}
 
 
@@ -426,92 +524,25 @@ def settings() -> list[Setting]:
 
 
 def validate(config: Config) -> None:
-    """Range checks that types alone cannot express: the shared sections', then the task's own
-    (`TaskConfig.validate`, when it has one)."""
-    if is_url(config.run.dir) and (problem := url_problem(config.run.dir)):
-        raise ConfigError(problem)
-    if config.run.local_dir and not is_url(config.run.dir):
-        raise ConfigError(
-            f"run.local_dir={config.run.local_dir} is for a run.dir on an object store; with "
-            f"run.dir={config.run.dir}, logs and metrics are in run.dir itself: drop run.local_dir"
-        )
-    positive = {
-        "train.global_batch_size": config.train.global_batch_size,
-        "train.micro_batch_size": config.train.micro_batch_size,
-        "train.eval_batch_size": config.train.eval_batch_size,
-        "train.log_every": config.train.log_every,
-        "train.eval_every": config.train.eval_every,
-        "checkpoint.every_steps": config.checkpoint.every_steps,
-        "checkpoint.keep_last": config.checkpoint.keep_last,
-        "dist.timeout_s": config.dist.timeout_s,
-        "dist.barrier_timeout_s": config.dist.barrier_timeout_s,
-        "dist.bucket_cap_mb": config.dist.bucket_cap_mb,
-        "dist.powersgd_rank": config.dist.powersgd_rank,
-        "data.prefetch_factor": config.data.prefetch_factor,
-        "profile.active_steps": config.profile.active_steps,
-    }
-    for key, value in positive.items():
+    """Range checks that types alone cannot express: each section's `validate()`, beside its
+    fields, the task's last (TaskConfig's, when it has one)."""
+    sections = [getattr(config, setting.name) for setting in dataclasses.fields(config)]
+    for section in [*(s for s in sections if s is not config.task), config.task]:
+        checks = getattr(section, "validate", None)
+        if checks is not None:
+            checks()
+
+
+def _positive(section: str, **values: float) -> None:
+    for key, value in values.items():
         if value <= 0:
-            raise ConfigError(f"{key} must be positive, got {value}")
-    if config.train.epochs <= 0 and config.train.max_steps <= 0:
-        raise ConfigError("set train.epochs or train.max_steps to a positive number")
-    if config.checkpoint.stop_check_s < 0:
-        raise ConfigError(
-            f"checkpoint.stop_check_s must be >= 0 (0 checks after every step), "
-            f"got {config.checkpoint.stop_check_s}"
-        )
-    if config.dist.check_replicas_every < 0:
-        raise ConfigError("dist.check_replicas_every must be >= 0 (0 turns the check off)")
-    if config.train.peak_tflops < 0:
-        raise ConfigError(
-            f"train.peak_tflops must be >= 0 (0 looks the GPU up), got {config.train.peak_tflops}"
-        )
-    not_negative = {
-        "profile.wait_steps": config.profile.wait_steps,
-        "optim.warmup_steps": config.optim.warmup_steps,
-        "optim.weight_decay": config.optim.weight_decay,
-        "optim.grad_clip": config.optim.grad_clip,
-        "train.max_skipped_steps": config.train.max_skipped_steps,
-        "best.min_delta": config.best.min_delta,
-        "best.patience": config.best.patience,
-    }
-    for key, value in not_negative.items():
+            raise ConfigError(f"{section}.{key} must be positive, got {value}")
+
+
+def _not_negative(section: str, **values: float) -> None:
+    for key, value in values.items():
         if value < 0:
-            raise ConfigError(f"{key} must be >= 0, got {value}")
-    if not all(0 <= beta < 1 for beta in config.optim.betas):
-        raise ConfigError(f"optim.betas must both be in [0, 1), got {list(config.optim.betas)}")
-    if config.train.on_nonfinite == "skip" and config.train.mixed_precision == "fp16":
-        raise ConfigError(
-            "train.on_nonfinite=skip cannot be used with train.mixed_precision=fp16: fp16's loss "
-            "scaler already skips the steps whose gradients overflow. Use on_nonfinite=stop "
-            "(a non-finite loss then stops the run), or bf16."
-        )
-    if config.best.patience and not config.best.metric:
-        raise ConfigError(
-            "best.patience needs best.metric: the evaluation metric whose improvement it waits "
-            "for (e.g. best.metric=eval/loss)"
-        )
-    if config.best.metric and not config.best.metric.startswith(("eval/", "eval_ema/")):
-        raise ConfigError(
-            f"best.metric={config.best.metric} is not an evaluation metric: name one as "
-            "metrics.jsonl records it, e.g. eval/loss, eval/accuracy or eval_ema/loss"
-        )
-    if config.data.num_workers != "auto" and config.data.num_workers < 0:
-        raise ConfigError(f"data.num_workers must be >= 0 or auto, got {config.data.num_workers}")
-    if config.optim.lr <= 0:
-        raise ConfigError(f"optim.lr must be positive, got {config.optim.lr}")
-    if not 0 <= config.optim.min_lr_ratio <= 1:
-        raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {config.optim.min_lr_ratio}")
-    if not 0 <= config.ema.decay < 1:
-        raise ConfigError(f"ema.decay must be in [0, 1) (0 turns EMA off), got {config.ema.decay}")
-    if config.init.weights and not Path(config.init.weights).exists():
-        raise ConfigError(
-            f"init.weights={config.init.weights} does not exist. Give a run directory, a "
-            "checkpoint directory, a .pt or a .safetensors file, or leave it empty."
-        )
-    task_checks = getattr(config.task, "validate", None)
-    if task_checks is not None:
-        task_checks()
+            raise ConfigError(f"{section}.{key} must be >= 0, got {value}")
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

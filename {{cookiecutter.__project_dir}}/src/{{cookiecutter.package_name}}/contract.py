@@ -12,7 +12,7 @@ Contract versions (`CONTRACT_VERSION`); a task written for an earlier one keeps 
    `units_per_sample` and `flops_per_sample`, which were required in practice.
 2. Release 0.5: every member but the four methods optional; `training_loss` may return a sum
    and a count or named components; per-metric counts and derived metrics; `param_groups`,
-   `collate`, `units`, `state_dict`/`load_state_dict` and `test_settings`.
+   `collate`, `units`, `state_dict`/`load_state_dict`, `test_settings` and `whole_batch_loss`.
 """
 
 from __future__ import annotations
@@ -50,6 +50,11 @@ class TaskBase:
     #: `section.key=value` settings that make the task small and quick: the generated tests
     #: train with them (a few hundred samples, a tiny model, seconds per run on a CPU).
     test_settings: Sequence[str] = ()
+    #: True when a micro-batch's loss reads the step's samples together (negatives gathered
+    #: across ranks, as contrastive losses do): gradient accumulation would split them into
+    #: other losses, so a batch split that needs it is refused, naming the micro-batch size
+    #: that avoids it.
+    whole_batch_loss: bool = False
 
     # --- required ---------------------------------------------------------------------------
 

@@ -195,6 +195,13 @@ def checked_config(
             f"with train.micro_batch_size={train.micro_batch_size}"
         )
         refuse_static_graph_with_accumulation(config.dist, accumulation, batch)
+        if accumulation > 1 and getattr(Task, "whole_batch_loss", False):
+            raise ConfigError(
+                "Task.whole_batch_loss: a micro-batch's loss reads the step's samples together, "
+                f"and {batch} takes {accumulation} micro-batches per step, each its own loss. Set "
+                f"train.micro_batch_size={train.global_batch_size // env.world_size} "
+                "(train.global_batch_size / ranks), or launch more ranks."
+            )
         return config
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -157,27 +157,41 @@ class Trainer:
                 pin_memory=device.type == "cuda", timeout_s=config.dist.barrier_timeout_s
             )
 
+        groups = self._build_model()
+        self._build_data()
+        self._build_optimization(groups)
+        self._build_accounting()
+
+    def _build_model(self) -> list[dict[str, Any]]:
+        """The task's model on the device, the same on every rank, wrapped in DDP (and
+        torch.compile); then each rank's own random streams. Returns the task's parameter
+        groups, as it made them: the options each sets itself outlive a resume."""
+        config, device = self.config, self.device
         if device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = train.tf32
-            torch.backends.cudnn.allow_tf32 = train.tf32
+            torch.backends.cuda.matmul.allow_tf32 = config.train.tf32
+            torch.backends.cudnn.allow_tf32 = config.train.tf32
         # The same seed on every rank gives the same initial weights (DDP also broadcasts rank 0's).
         rng.seed_all(config.run.seed)
         self.model = self.task.build_model().to(device)
         self._announce_batch_norm()
-        # The task's groups, as it made them: the options each sets itself outlive a resume.
         groups = self.task.param_groups(self.model)
         self.own_group_options = own_options(groups)
         self.ddp: DistributedDataParallel | None = None
-        if env.world_size > 1:
+        if self.env.world_size > 1:
             # PowerSGD compresses only after the lr warmup, as its paper advises.
             self.ddp = wrap_ddp(self.model, device, config.dist, config.optim.warmup_steps)
         # What the step calls: the DDP wrapper (or the bare model on one rank), maybe compiled.
         self.ddp_model: torch.nn.Module = self.ddp or self.model
-        if train.compile:
+        if config.train.compile:
             self.ddp_model = torch.compile(self.ddp_model)
         # From here on each rank draws its own random numbers (dropout, augmentation).
         self._seed_rank_streams()
+        return groups
 
+    def _build_data(self) -> None:
+        """The task's data sets, checked and agreed on by every rank, and their loaders; the
+        steps per epoch and in the run."""
+        config, train = self.config, self.config.train
         train_set, eval_set = self.task.build_datasets()
         check_datasets(train_set, eval_set)
         workers = self._loader_workers()
@@ -189,21 +203,21 @@ class Trainer:
         )
         self.train_loader, self.sampler = build_train_loader(
             train_set,
-            env,
+            self.env,
             config.data,
             self.micro_batch_size,
             config.run.seed,
-            device,
+            self.device,
             self.task.collate,
             workers,
         )
         self.eval_loader = build_eval_loader(
             eval_set,
-            env,
+            self.env,
             config.data,
             train.eval_batch_size,
             config.run.seed,
-            device,
+            self.device,
             self.task.collate,
             workers,
         )
@@ -218,8 +232,10 @@ class Trainer:
             train.max_steps if train.max_steps > 0 else train.epochs * self.steps_per_epoch
         )
 
-        optim = config.optim
-        self.optimizer = build_optimizer(self.model, groups, optim, device)
+    def _build_optimization(self, groups: list[dict[str, Any]]) -> None:
+        """AdamW over the task's groups, the schedule, mixed precision and the moving average."""
+        optim, train = self.config.optim, self.config.train
+        self.optimizer = build_optimizer(self.model, groups, optim, self.device)
         self.scheduler = LambdaLR(
             self.optimizer,
             partial(
@@ -231,9 +247,15 @@ class Trainer:
         )
         self.autocast_dtype = AUTOCAST_DTYPES[train.mixed_precision]
         # Loss scaling only for fp16: bf16 has fp32's exponent range and needs none.
-        self.scaler = torch.amp.GradScaler(device.type, enabled=train.mixed_precision == "fp16")
+        self.scaler = torch.amp.GradScaler(
+            self.device.type, enabled=train.mixed_precision == "fp16"
+        )
         self.ema = self._build_ema()
 
+    def _build_accounting(self) -> None:
+        """What the steps keep account of: the log line's sums, the loss's scaling, the
+        non-finite guard, the best checkpoint, and the throughput figures."""
+        train, device = self.config.train, self.device
         # What the log line reports (losses, counts, throughput units), summed since the last
         # one where it was computed: nothing in a step waits for the device. Kept in the
         # checkpoint so that resumed logs match.
@@ -244,12 +266,13 @@ class Trainer:
         )
         # fp16's loss scaler skips the steps whose gradients overflow: only its losses count.
         self.guard = DivergenceGuard(device, watch_gradients=train.mixed_precision != "fp16")
-        self.skips = SkipPolicy(train.on_nonfinite == "skip", train.max_skipped_steps, env.is_main)
+        self.skips = SkipPolicy(
+            train.on_nonfinite == "skip", train.max_skipped_steps, self.env.is_main
+        )
         #: Whether this launch's first step found its gradients all-reduced (a task may skip DDP).
         self.gradients_checked = False
-        self.best = BestCheckpoint(config.best)
+        self.best = BestCheckpoint(self.config.best)
         self.saved_step: int | None = None
-
         self.meter = StepMeter(device)
         self.unit = self.task.throughput_unit
         self.units_per_micro_batch = self.micro_batch_size * self.task.units_per_sample
