@@ -39,6 +39,7 @@ import argparse
 import gc
 import itertools
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -55,7 +56,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from {{ cookiecutter.package_name }}.config import Config, ConfigError, flatten, load_config
 from {{ cookiecutter.package_name }}.contract import adopt
-from {{ cookiecutter.package_name }}.data import build_train_loader
+from {{ cookiecutter.package_name }}.data import build_train_loader, loader_workers
 from {{ cookiecutter.package_name }}.distributed import (
     DistEnv,
     all_ranks_agree,
@@ -180,8 +181,10 @@ def run_plain(
         )
     seed_all(seed + env.rank)  # each rank's own dropout, as in the Trainer
     train_set, _ = task.build_datasets()
+    # The Trainer's loader workers: data.num_workers, `auto` resolved for the ranks of this host.
+    workers = loader_workers(config.data, int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)))
     loader, sampler = build_train_loader(
-        train_set, env, config.data, micro, seed, device, task.collate
+        train_set, env, config.data, micro, seed, device, task.collate, workers
     )
     steps_per_epoch = len(train_set) // train.global_batch_size
     optimizer = torch.optim.AdamW(
