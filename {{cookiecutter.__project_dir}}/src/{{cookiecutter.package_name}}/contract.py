@@ -199,5 +199,5 @@ def check_datasets(train: object, evaluation: object) -> None:
                 "ranks, evaluates every sample once and resumes at the exact sample by index. "
                 "Load the data whole (Hugging Face: load_dataset without streaming=True), or "
                 "write it once into files read by index, as the gpt example's token shards do "
-                "(docs: bring your own model, streaming data)."
+                "(docs: bring your own model, what DDP asks of a task)."
             )
