@@ -367,6 +367,13 @@ def barrier(timeout_s: float | None = None, group: dist.ProcessGroup | None = No
         )
 
 
+#: What to do about parameters that get no gradient in a step.
+_UNUSED_PARAMETERS_FIX = (
+    "Set dist.find_unused_parameters=true (costs a graph traversal per step), or make every "
+    "parameter take part in the loss."
+)
+
+
 @contextmanager
 def unused_parameters_hint() -> Iterator[None]:
     """DDP's error for a parameter that got no gradient in a step, with the setting that
@@ -377,9 +384,7 @@ def unused_parameters_hint() -> Iterator[None]:
         if "find_unused_parameters" in str(error):
             raise RuntimeError(
                 "some parameters got no gradient in a step, so DDP never finished reducing "
-                "gradients. Set dist.find_unused_parameters=true (costs a graph traversal per "
-                "step), or make every parameter take part in the loss. DDP's own message "
-                "follows."
+                f"gradients. {_UNUSED_PARAMETERS_FIX} DDP's own message follows."
             ) from error
         raise
 
@@ -486,8 +491,7 @@ def check_gradients_reduced(
     if differing and (without := [n for n, p in trainable if p.grad is None]):
         raise GradientsNotReducedError(
             f"step {step}: {len(without)} parameter(s) got no gradient ({_some(without)}), so DDP "
-            "never finished all-reducing the others. Set dist.find_unused_parameters=true "
-            "(costs a graph traversal per step), or make every parameter take part in the loss."
+            f"never finished all-reducing the others. {_UNUSED_PARAMETERS_FIX}"
         )
     if differing:
         raise GradientsNotReducedError(
