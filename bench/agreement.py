@@ -18,15 +18,15 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
-from ddp_project.agreement import agree_on_launch, identity
-from ddp_project.config import load_config
-from ddp_project.distributed import (
+from ddp_project.cluster.agreement import agree_on_launch, identity
+from ddp_project.cluster.distributed import (
     barrier,
     detect_env,
     gather_objects,
     process_group,
     rendezvous_store,
 )
+from ddp_project.config import load_config
 
 
 def main() -> int:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
-from ddp_project.distributed import detect_env, process_group
+from ddp_project.cluster.distributed import detect_env, process_group
 from ddp_project.task import Task
 from side_by_side import load_overhead
 from torch.nn import functional as F

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-from ddp_project.distributed import all_ranks_agree, detect_env, process_group
+from ddp_project.cluster.distributed import all_ranks_agree, detect_env, process_group
 from lightning_loop import run_lightning
 
 SCENARIOS = {

@@ -51,7 +51,7 @@ def test_the_site_builds_in_strict_mode(tmp_path: Path) -> None:
     assert (tmp_path / "index.html").is_file()
 
 
-TEST_REFERENCE = re.compile(r"(template: )?tests/(test_\w+\.py)(?:::(\w+))?")
+TEST_REFERENCE = re.compile(r"(template: )?tests/((?:\w+/)?test_\w+\.py)(?:::(\w+))?")
 #: A test function named alone, after a reference to its file: `test_name`.
 BARE_TEST_NAME = re.compile(r"`(test_\w+)`")
 
@@ -63,7 +63,7 @@ def test_every_test_the_pages_name_exists() -> None:
     or the template's for pages about the template.
     """
     suites = [ROOT / "{{cookiecutter.__project_dir}}" / "tests", ROOT / "tests"]
-    every_test = "".join(path.read_text() for suite in suites for path in suite.glob("test_*.py"))
+    every_test = "".join(path.read_text() for suite in suites for path in suite.rglob("test_*.py"))
     missing = []
     for page in sorted((ROOT / "docs").glob("*.md")):
         text = page.read_text()
@@ -84,15 +84,19 @@ def test_the_architecture_page_names_every_module_of_the_package_and_no_other() 
     """Its module table is the map of the package: a module added, moved or removed shows."""
     page = (ROOT / "docs" / "architecture.md").read_text()
     table = page[: page.index("\n## ")]
-    named = set(re.findall(r"`(\w+)\.py`", table))
-    modules = {path.stem for path in PACKAGE_DIR.glob("*.py")} - {"__init__"}
+    named = set(re.findall(r"`((?:\w+/)?\w+)\.py`", table))
+    modules = {
+        str(path.relative_to(PACKAGE_DIR).with_suffix(""))
+        for path in PACKAGE_DIR.rglob("*.py")
+        if path.name != "__init__.py"
+    }
     assert sorted(modules - named) == [], "modules missing from docs/architecture.md"
     assert sorted(named - modules) == [], "docs/architecture.md names modules that are gone"
 
 
 def test_the_architecture_page_shows_the_step_as_the_trainer_has_it() -> None:
     """The page's copy of `train_step` (its body but the docstring and the return) is the code."""
-    source = (PACKAGE_DIR / "trainer.py").read_text()
+    source = (PACKAGE_DIR / "training" / "trainer.py").read_text()
     step = source[source.index("    def train_step(") :]
     body = step[step.index('"""\n', step.index('"""') + 3) + 4 : step.index("        return ")]
     code = textwrap.dedent(body).strip()

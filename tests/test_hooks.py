@@ -224,7 +224,7 @@ def test_post_gen_removes_exactly_the_deselected_files(tmp_path: Path) -> None:
     remaining = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
     assert remaining == {
         "keep.py",
-        "tests/test_classifier.py",
+        "tests/example/test_classifier.py",
         "Dockerfile",
         ".dockerignore",
         "apptainer.def",

@@ -257,7 +257,7 @@ def test_the_doctor_names_a_run_directory_one_node_does_not_share(
 ) -> None:
     """beta sees its own, empty directory where alpha's run directory is (a node-local disk):
     refused on both nodes after looking for dist.timeout_s, as training refuses it before its
-    first step (tests/test_agreement.py launches that)."""
+    first step (tests/machinery/test_agreement.py launches that)."""
     runs_dir = tmp_path / "runs"
     runs_dir.mkdir()
     report = tmp_path / "report.json"

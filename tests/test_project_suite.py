@@ -61,21 +61,21 @@ from variants import (
 #: project runs them; projects of other tasks (the other example, tests/test_user_tasks.py)
 #: deselect them.
 TASK_INDEPENDENT = [
-    "tests/test_stop_signal.py",
-    "tests/test_best.py",
-    "tests/test_distributed.py::test_eight_ranks_train_the_default_config_unchanged",
-    "tests/test_distributed.py::test_failing_rank_ends_the_job_with_an_error",
-    "tests/test_ranks.py::test_each_log_file_has_one_writer",
-    "tests/test_ranks.py::test_train_log_holds_rank_zero_lines_only",
-    "tests/test_ranks.py::test_a_warning_goes_to_the_rank_s_own_file",
-    "tests/test_ranks.py::test_replica_check_catches_a_diverged_rank",
-    "tests/test_ranks.py::test_only_rank_zero_writes_replicated_files",
-    "tests/test_checkpoint.py::test_ranks_agree_on_the_fallback_when_only_one_rank_cannot_load_its_file",
-    "tests/test_amp.py::test_inf_gradient_on_one_rank_skips_the_step_on_every_rank",
-    "tests/test_throughput.py::test_a_rank_starved_for_data_is_named_in_the_log",
-    "tests/test_benchmarks.py::test_allreduce_reports_bus_bandwidth_as_nccl_tests_define_it",
-    "tests/test_benchmarks.py::test_checkpoint_stall_reports_the_pause_of_both_kinds_of_save_and_their_ratio",
-    "tests/test_async_checkpoint.py::test_the_next_background_save_waits_for_the_one_in_flight_and_collectives_do_not_mix",
+    "tests/task/test_stop_signal.py",
+    "tests/task/test_best.py",
+    "tests/task/test_distributed.py::test_eight_ranks_train_the_default_config_unchanged",
+    "tests/task/test_distributed.py::test_failing_rank_ends_the_job_with_an_error",
+    "tests/task/test_ranks.py::test_each_log_file_has_one_writer",
+    "tests/task/test_ranks.py::test_train_log_holds_rank_zero_lines_only",
+    "tests/task/test_ranks.py::test_a_warning_goes_to_the_rank_s_own_file",
+    "tests/task/test_ranks.py::test_replica_check_catches_a_diverged_rank",
+    "tests/task/test_ranks.py::test_only_rank_zero_writes_replicated_files",
+    "tests/task/test_checkpoint.py::test_ranks_agree_on_the_fallback_when_only_one_rank_cannot_load_its_file",
+    "tests/task/test_amp.py::test_inf_gradient_on_one_rank_skips_the_step_on_every_rank",
+    "tests/machinery/test_throughput.py::test_a_rank_starved_for_data_is_named_in_the_log",
+    "tests/machinery/test_benchmarks.py::test_allreduce_reports_bus_bandwidth_as_nccl_tests_define_it",
+    "tests/machinery/test_benchmarks.py::test_checkpoint_stall_reports_the_pause_of_both_kinds_of_save_and_their_ratio",
+    "tests/task/test_async_checkpoint.py::test_the_next_background_save_waits_for_the_one_in_flight_and_collectives_do_not_mix",
 ]
 #: What a project of another task runs: the suite but the fault tests, the tests that train
 #: tasks of their own (own_tasks), those of modules no task changes (standalone) and the
@@ -86,7 +86,7 @@ OTHER_TASK_SELECTION = [
     *(f"--deselect={node}" for node in TASK_INDEPENDENT),
 ]
 TWO_RANK_TEST = "test_two_ranks_train_checkpoint_and_resume"
-TWO_RANK_NODE = f"tests/test_distributed.py::{TWO_RANK_TEST}"
+TWO_RANK_NODE = f"tests/task/test_distributed.py::{TWO_RANK_TEST}"
 #: The files that decide what the project's suite does: every Python file (code, tests,
 #: benchmarks) and the configs the tests load.
 SUITE_FILES = [
@@ -97,7 +97,8 @@ SUITE_OPTIONS = frozenset().union(*map(dependencies, SUITE_FILES))
 OPTION_TESTS = [
     infile
     for infile in template_files()
-    if infile.startswith("tests/test_")
+    if infile.startswith("tests/")
+    and Path(infile).name.startswith("test_")
     and (dependencies(infile) & SUITE_OPTIONS or infile in sometimes_absent())
 ]
 #: The test modules that are no tests (helpers, fixtures), and the task that every test trains
@@ -191,14 +192,15 @@ def marked(marker: str) -> list[str]:
     return [
         infile
         for infile in template_files()
-        if infile.startswith("tests/test_")
+        if infile.startswith("tests/")
+        and Path(infile).name.startswith("test_")
         and f"pytest.mark.{marker}" in (project / infile).read_text()
     ]
 
 
 @pytest.mark.parametrize(
     ("marker", "example"),
-    [("faults", "tests/test_restart.py"), ("standalone", "tests/test_storage.py")],
+    [("faults", "tests/task/test_restart.py"), ("standalone", "tests/machinery/test_storage.py")],
 )
 def test_the_tests_run_once_read_no_option(marker: str, example: str) -> None:
     """So that the default project alone runs them."""
@@ -217,7 +219,11 @@ def test_the_task_independent_tests_exist() -> None:
 
 def test_the_tests_of_tasks_of_their_own_read_no_option() -> None:
     """So that the default project alone runs them (tests/tasks.py holds their tasks)."""
-    own_tasks = ["tests/test_contract.py", "tests/test_loss_normalisation.py", "tests/tasks.py"]
+    own_tasks = [
+        "tests/machinery/test_contract.py",
+        "tests/task/test_loss_normalisation.py",
+        "tests/tasks.py",
+    ]
     assert not frozenset().union(*map(dependencies, own_tasks))
 
 

@@ -77,36 +77,46 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
         "benchmarks/overhead.py",
         "benchmarks/checkpoint_stall.py",
     }
-    tests = ["amp", "benchmarks", "checkpoint", "config", "data", "ddp_options", "distributed"]
-    tests += ["distributed_env", "gpu", "plot"]
-    tests += ["gradients", "ranks", "restart", "resume", "resume_checks", "sharding"]
-    tests += ["stop_signal", "throughput", "timeouts", "trainer", "weights"]
-    tests += ["contract", "ema", "loss_normalisation", "run_lock", "parent_death"]
-    tests += ["checkpoint_faults", "divergence", "best"]
-    tests += ["storage", "object_store", "background_save"]
-    tests += ["async_checkpoint", "async_checkpoint_faults"]
-    tests += ["agreement", "network", "launch", "doctor"]
-    files |= {f"tests/test_{name}.py" for name in tests}
-    modules = ["checkpoint", "config", "data", "distributed", "logs", "metrics", "profiling"]
-    modules += ["plot", "resume", "stopping", "task", "throughput", "train", "trainer", "__init__"]
-    modules += ["contract", "losses", "optimizer", "rng", "weights", "run_lock", "parent_watch"]
-    modules += ["signals", "watchdog", "divergence", "best"]
-    modules += ["storage", "background_save"]
-    modules += ["agreement", "network", "launch", "doctor"]
+    tests = {
+        "task": ["amp", "async_checkpoint", "async_checkpoint_faults", "best", "checkpoint"],
+        "machinery": ["agreement", "background_save", "benchmarks", "config", "contract"],
+    }
+    tests["task"] += ["checkpoint_faults", "ddp_options", "distributed", "divergence", "ema"]
+    tests["task"] += ["gpu", "gradients", "loss_normalisation", "object_store", "parent_death"]
+    tests["task"] += ["ranks", "restart", "resume", "resume_checks", "sharding", "stop_signal"]
+    tests["task"] += ["timeouts", "trainer", "weights"]
+    tests["machinery"] += ["data", "distributed_env", "doctor", "launch", "network", "plot"]
+    tests["machinery"] += ["moved_modules", "run_lock", "storage", "throughput"]
+    for folder, names in tests.items():
+        files.add(f"tests/{folder}/__init__.py")
+        files |= {f"tests/{folder}/test_{name}.py" for name in names}
+    files.add("tests/example/__init__.py")
+    modules = ["__init__", "config", "contract", "doctor", "launch", "plot", "task", "train"]
+    modules += ["checkpointing/__init__", "cluster/__init__", "faults/__init__"]
+    modules += ["loading/__init__", "monitoring/__init__", "training/__init__"]
+    modules += [f"checkpointing/{name}" for name in ("background_save", "best", "checkpoint")]
+    modules += [f"checkpointing/{name}" for name in ("resume", "run_lock", "storage", "weights")]
+    modules += [f"cluster/{name}" for name in ("agreement", "distributed", "network")]
+    modules += [f"faults/{name}" for name in ("parent_watch", "signals", "stopping", "watchdog")]
+    modules += ["loading/data"]
+    modules += [f"monitoring/{name}" for name in ("logs", "metrics", "profiling", "throughput")]
+    modules += [f"training/{name}" for name in ("divergence", "losses", "optimizer", "rng")]
+    modules += ["training/trainer"]
     files |= {f"src/{package}/{name}.py" for name in modules}
     if combo["use_slurm"]:
         files.add("launch/slurm/train.sbatch")
     if combo["use_docker"]:
         files |= {"Dockerfile", ".dockerignore", "apptainer.def"}
     if combo["tracker"] != "none":
-        files |= {f"src/{package}/tracker.py", "tests/test_tracker.py"}
+        files |= {f"src/{package}/monitoring/tracker.py", "tests/machinery/test_tracker.py"}
     if combo["example"] == "gpt":
-        files |= {f"src/{package}/{name}.py" for name in ("gpt", "prepare", "shards")}
-        files |= {f"tests/test_{name}.py" for name in ("gpt", "prepare", "shards")}
+        files |= {f"src/{package}/{name}.py" for name in ("gpt", "prepare", "loading/shards")}
+        files |= {f"tests/machinery/test_{name}.py" for name in ("prepare", "shards")}
+        files.add("tests/example/test_gpt.py")
         files.add("benchmarks/shards.py")
         files |= {"configs/gpt-small.yaml", "configs/gpt2-124m.yaml"}
     if combo["example"] == "classifier":
-        files.add("tests/test_classifier.py")
+        files.add("tests/example/test_classifier.py")
     if combo["ci"] == "github":
         files |= {".github/workflows/ci.yml", ".github/dependabot.yml"}
     if combo["ci"] == "gitlab":
@@ -192,7 +202,7 @@ def test_matrix_covers_every_value_and_leaves_out_the_refused_combinations() -> 
         ("{% set t = cookiecutter.tracker %}{% for x in [t] %}{{ x }}{% endfor %}", {"tracker"}),
         ("{% macro m() %}{{ cookiecutter.use_docker }}{% endmacro %}{{ m() }}", {"use_docker"}),
         ("{{ '{{ cookiecutter.license }}' }} plain text cookiecutter.ci", set()),
-        ("src/{{cookiecutter.package_name}}/tracker.py", {"package_name"}),
+        ("src/{{cookiecutter.package_name}}/monitoring/tracker.py", {"package_name"}),
     ],
 )
 def test_scan_finds_every_variable_a_template_reads(source: str, found: set[str]) -> None:

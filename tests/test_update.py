@@ -145,7 +145,11 @@ def updated(template: Template, tmp_path_factory: pytest.TempPathFactory) -> Upd
 
     readme = template.path / TEMPLATE_PROJECT / "README.md"
     readme.write_text(readme.read_text() + "\n" + TEMPLATE_README_LINE + "\n")
-    source = template.path / TEMPLATE_PROJECT / "src/{{cookiecutter.package_name}}/distributed.py"
+    source = (
+        template.path
+        / TEMPLATE_PROJECT
+        / "src/{{cookiecutter.package_name}}/cluster/distributed.py"
+    )
     source.write_text(source.read_text() + TEMPLATE_SOURCE_LINE + "\n")
     git("commit", "--quiet", "-am", "Template release 2", cwd=template.path)
 
@@ -176,7 +180,7 @@ def test_cruft_update_succeeds(updated: Update) -> None:
 
 def test_update_brings_the_template_change(updated: Update) -> None:
     assert TEMPLATE_README_LINE in (updated.project / "README.md").read_text()
-    source = updated.project / "src" / PACKAGE / "distributed.py"
+    source = updated.project / "src" / PACKAGE / "cluster" / "distributed.py"
     assert source.read_text().endswith(TEMPLATE_SOURCE_LINE + "\n")
 
 

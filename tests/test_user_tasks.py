@@ -19,8 +19,8 @@ steps of the CHANGELOG, the GPT-2's stays in config.py, as in a project that has
   crashes and resumes bitwise on 2 ranks, and an epoch's throughput adds up to its real tokens.
 
 A task of the first release's interface is held by the generated tests themselves
-(tests/test_contract.py). torchvision's ResNet-18 recipe is not run: torchvision's PyPI wheel
-for torch 2.13 is built against CUDA and does not import beside the CPU torch here
+(tests/machinery/test_contract.py). torchvision's ResNet-18 recipe is not run: torchvision's
+PyPI wheel for torch 2.13 is built against CUDA and does not import beside the CPU torch here
 (`operator torchvision::nms does not exist`); the CNN covers its form.
 """
 
@@ -40,7 +40,7 @@ from test_project_suite import OTHER_TASK_SELECTION, render_from_source, run_pro
 USER_TASKS = Path(__file__).parent / "user_tasks"
 #: What the cheaper checks run of the generated suite: 2 gloo ranks train, crash, resume and end
 #: bitwise where an unbroken run ends, and resume on 1 and 4 ranks at the exact sample.
-RESUMES = ["tests/test_resume.py"]
+RESUMES = ["tests/task/test_resume.py"]
 #: A TaskConfig of before 1.0, as config.py held it: the text from its decorator on.
 OLD_TASK_CONFIG = re.compile(r"^@dataclass\nclass TaskConfig:\n.*", re.S | re.M)
 
@@ -55,7 +55,7 @@ def project_with_task(name: str, task: str, out: Path) -> tuple[Path, dict[str, 
     project, env = render_from_source(DEFAULTS, name, out)
     (package_dir,) = (project / "src").iterdir()
     (package_dir / "task.py").write_text(task)
-    example_tests = project / "tests" / f"test_{DEFAULTS['example']}.py"
+    example_tests = project / "tests" / "example" / f"test_{DEFAULTS['example']}.py"
     assert example_tests.is_file(), "the example's own tests moved: update this test"
     example_tests.unlink()
     return project, env, package_dir
@@ -108,7 +108,7 @@ THROUGHPUT_CHECK = """
 import json, sys
 from pathlib import Path
 
-from {package}.metrics import read_metrics
+from {package}.monitoring.metrics import read_metrics
 from {package}.task import Task
 from {package}.config import load_config
 from {package}.train import main
@@ -164,7 +164,7 @@ def test_a_hugging_face_gpt2_trains_resumes_and_counts_real_tokens(tmp_path: Pat
     package = package_dir.name
     # One 2-rank launch: crash, resume, and end bitwise where an unbroken run ends.
     run_project_suite(
-        project, env, "tests/test_resume.py::test_weights_are_bitwise_equal_to_an_unbroken_run"
+        project, env, "tests/task/test_resume.py::test_weights_are_bitwise_equal_to_an_unbroken_run"
     )
 
     result = subprocess.run(

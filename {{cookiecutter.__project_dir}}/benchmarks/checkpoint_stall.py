@@ -35,9 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from {{ cookiecutter.package_name }}.background_save import BackgroundSaver, CompletedSave
-from {{ cookiecutter.package_name }}.checkpoint import save_checkpoint
-from {{ cookiecutter.package_name }}.distributed import DistEnv
+from {{ cookiecutter.package_name }}.checkpointing.background_save import BackgroundSaver, CompletedSave
+from {{ cookiecutter.package_name }}.checkpointing.checkpoint import save_checkpoint
+from {{ cookiecutter.package_name }}.cluster.distributed import DistEnv
 
 WIDTH = 2048
 #: float32 weights plus Adam's two moments of the same size.

@@ -54,10 +54,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
-from {{ cookiecutter.package_name }}.config import Config, ConfigError, flatten, load_config
-from {{ cookiecutter.package_name }}.contract import adopt
-from {{ cookiecutter.package_name }}.data import build_train_loader, loader_workers
-from {{ cookiecutter.package_name }}.distributed import (
+from {{ cookiecutter.package_name }}.cluster.distributed import (
     DistEnv,
     all_ranks_agree,
     all_reduce_sum,
@@ -65,12 +62,15 @@ from {{ cookiecutter.package_name }}.distributed import (
     is_distributed,
     process_group,
 )
-from {{ cookiecutter.package_name }}.losses import MicroLoss
-from {{ cookiecutter.package_name }}.metrics import MetricsLogger
-from {{ cookiecutter.package_name }}.rng import seed_all
-from {{ cookiecutter.package_name }}.stopping import StopRequests
+from {{ cookiecutter.package_name }}.config import Config, ConfigError, flatten, load_config
+from {{ cookiecutter.package_name }}.contract import adopt
+from {{ cookiecutter.package_name }}.faults.stopping import StopRequests
+from {{ cookiecutter.package_name }}.loading.data import build_train_loader, loader_workers
+from {{ cookiecutter.package_name }}.monitoring.metrics import MetricsLogger
 from {{ cookiecutter.package_name }}.task import Task
-from {{ cookiecutter.package_name }}.trainer import (
+from {{ cookiecutter.package_name }}.training.losses import MicroLoss
+from {{ cookiecutter.package_name }}.training.rng import seed_all
+from {{ cookiecutter.package_name }}.training.trainer import (
     AUTOCAST_DTYPES,
     Trainer,
     batch_split,

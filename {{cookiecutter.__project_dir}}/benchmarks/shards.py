@@ -29,12 +29,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from {{ cookiecutter.package_name }}.cluster.distributed import DistEnv
 from {{ cookiecutter.package_name }}.config import load_config
-from {{ cookiecutter.package_name }}.data import build_train_loader
-from {{ cookiecutter.package_name }}.distributed import DistEnv
+from {{ cookiecutter.package_name }}.loading.data import build_train_loader
+from {{ cookiecutter.package_name }}.loading.shards import Manifest, TokenWindows, write_manifest
 from {{ cookiecutter.package_name }}.prepare import main as prepare
 from {{ cookiecutter.package_name }}.prepare import write_shard
-from {{ cookiecutter.package_name }}.shards import Manifest, TokenWindows, write_manifest
 
 #: Tokens per shard of the random corpora: 100M, as prepare writes by default.
 SHARD_TOKENS = 100_000_000

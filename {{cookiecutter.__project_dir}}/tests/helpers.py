@@ -19,16 +19,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import Dataset, Subset
 
-from {{ cookiecutter.package_name }}.config import Config
-from {{ cookiecutter.package_name }}.distributed import (
+from {{ cookiecutter.package_name }}.cluster.distributed import (
     DistEnv,
     destroy_process_groups,
     start_control_group,
 )
-from {{ cookiecutter.package_name }}.metrics import MetricsLogger
-from {{ cookiecutter.package_name }}.stopping import StopRequests
+from {{ cookiecutter.package_name }}.config import Config
+from {{ cookiecutter.package_name }}.faults.stopping import StopRequests
+from {{ cookiecutter.package_name }}.monitoring.metrics import MetricsLogger
 from {{ cookiecutter.package_name }}.task import Task
-from {{ cookiecutter.package_name }}.trainer import Trainer
+from {{ cookiecutter.package_name }}.training.trainer import Trainer
 
 #: Overrides that make a run take seconds on a laptop CPU: the shared sections' here, then the
 #: task's own `test_settings` (a small model and data set), which may also change train.*.
@@ -98,8 +98,9 @@ import signal
 import sys
 import time
 
-from {{ cookiecutter.package_name }} import checkpoint, train
-from {{ cookiecutter.package_name }}.trainer import Trainer
+from {{ cookiecutter.package_name }} import train
+from {{ cookiecutter.package_name }}.checkpointing import checkpoint
+from {{ cookiecutter.package_name }}.training.trainer import Trainer
 """
 _FAULT_ENTRY_TAIL = """
 sys.exit(train.main())
@@ -123,7 +124,7 @@ mp.set_forkserver_preload(
     [
         "torch",
         "torch.distributed",
-        "{{ cookiecutter.package_name }}.trainer",
+        "{{ cookiecutter.package_name }}.training.trainer",
     ]
 )
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args, get_origin
 
 import yaml
 
-from .storage import is_url, url_problem
+from .checkpointing.storage import is_url, url_problem
 
 if TYPE_CHECKING:
     from .task import TaskConfig

@@ -46,8 +46,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import network
-from .agreement import (
+from .checkpointing.checkpoint import checkpoint_size, latest_checkpoint
+from .checkpointing.run_lock import Holder
+from .checkpointing.storage import run_location, storage_of
+from .cluster import network
+from .cluster.agreement import (
     LaunchIncompleteError,
     LaunchMismatchError,
     agree_on_launch,
@@ -57,10 +60,7 @@ from .agreement import (
     require_shared_run_dir,
     roster,
 )
-from .checkpoint import checkpoint_size, latest_checkpoint
-from .config import Config
-from .data import affinity_cores, loader_workers, usable_cores
-from .distributed import (
+from .cluster.distributed import (
     DistEnv,
     barrier,
     control_group,
@@ -69,15 +69,15 @@ from .distributed import (
     is_distributed,
     process_group,
 )
-from .logs import setup_logging
-from .metrics import MetricsLogger
-from .run_lock import Holder
-from .stopping import StopRequests
-from .storage import run_location, storage_of
+from .config import Config
+from .faults.stopping import StopRequests
+from .faults.watchdog import startup_bounded
+from .loading.data import affinity_cores, loader_workers, usable_cores
+from .monitoring.logs import setup_logging
+from .monitoring.metrics import MetricsLogger
 from .task import Task
 from .train import checked_config
-from .trainer import AUTOCAST_DTYPES, Trainer, move_to_device
-from .watchdog import startup_bounded
+from .training.trainer import AUTOCAST_DTYPES, Trainer, move_to_device
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 #: All-reduce message sizes, in MiB: around DDP's default bucket (25 MiB).

@@ -50,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import network
+from .cluster import network
 
 #: The variable that tells a training process where to record its exit status.
 STATUS_DIR_VARIABLE = "TRAINING_STATUS_DIR"

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .metrics import METRICS_FILE, read_metrics
+from .monitoring.metrics import METRICS_FILE, read_metrics
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -42,8 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from .logs import ProgressBar
-from .shards import (
+from .loading.shards import (
     MANIFEST,
     SPLITS,
     Manifest,
@@ -55,6 +54,7 @@ from .shards import (
     write_atomically,
     write_manifest,
 )
+from .monitoring.logs import ProgressBar
 
 #: The largest document: a file is cut into pieces of at most this many bytes.
 DOCUMENT_BYTES = 1 << 20

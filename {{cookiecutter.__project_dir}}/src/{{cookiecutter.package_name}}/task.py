@@ -153,7 +153,7 @@ from torch.utils.data import Dataset
 from .config import ConfigError
 from .contract import TaskBase
 from .gpt import GPT
-from .shards import TokenWindows, read_manifest
+from .loading.shards import TokenWindows, read_manifest
 
 
 @dataclass

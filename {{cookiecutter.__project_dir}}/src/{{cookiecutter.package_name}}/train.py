@@ -6,7 +6,7 @@ Running it again with the same run directory resumes from the newest complete ch
 
 from __future__ import annotations
 
-from .signals import record_early, release_early
+from .faults.signals import record_early, release_early
 
 if __name__ == "__main__":
     # Before the heavy imports (torch takes seconds): a stop signal that arrives meanwhile is
@@ -23,7 +23,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .agreement import (
+from .checkpointing.checkpoint import (
+    CheckpointSaveError,
+    new_job_token,
+    remove_foreign_staging,
+    restore_run_files,
+)
+from .checkpointing.resume import ResumeError, require_fresh_run_dir
+from .checkpointing.run_lock import EXIT_RUN_DIR_BUSY, RunDirBusyError, RunLock, owned_run_dir
+from .checkpointing.storage import Location, ObjectPath, local_dir_of, run_location
+from .checkpointing.weights import WeightsError
+from .cluster.agreement import (
     LaunchIncompleteError,
     agree_on_launch,
     identity,
@@ -31,14 +41,7 @@ from .agreement import (
     require_shared_run_dir,
     roster,
 )
-from .checkpoint import (
-    CheckpointSaveError,
-    new_job_token,
-    remove_foreign_staging,
-    restore_run_files,
-)
-from .config import Config, ConfigError, DistConfig, load_config, settings, to_yaml
-from .distributed import (
+from .cluster.distributed import (
     DistEnv,
     GradientsNotReducedError,
     barrier,
@@ -47,22 +50,19 @@ from .distributed import (
     process_group,
     refuse_static_graph_with_accumulation,
 )
-from .divergence import EXIT_DIVERGED, DivergenceError
+from .config import Config, ConfigError, DistConfig, load_config, settings, to_yaml
+from .faults.parent_watch import launcher_watched
+from .faults.stopping import EXIT_INTERRUPTED, StopRequests
+from .faults.watchdog import hangs_reported, startup_bounded, stop_deadline
 from .launch import exit_status_recorded
-from .logs import setup_logging
-from .metrics import MetricsLogger
-from .parent_watch import launcher_watched
-from .resume import ResumeError, require_fresh_run_dir
-from .run_lock import EXIT_RUN_DIR_BUSY, RunDirBusyError, RunLock, owned_run_dir
-from .stopping import EXIT_INTERRUPTED, StopRequests
-from .storage import Location, ObjectPath, local_dir_of, run_location
-from .task import Task
+from .monitoring.logs import setup_logging
+from .monitoring.metrics import MetricsLogger
 {%- if cookiecutter.tracker != "none" %}
-from .tracker import Tracker
+from .monitoring.tracker import Tracker
 {%- endif %}
-from .trainer import Trainer, batch_split
-from .watchdog import hangs_reported, startup_bounded, stop_deadline
-from .weights import WeightsError
+from .task import Task
+from .training.divergence import EXIT_DIVERGED, DivergenceError
+from .training.trainer import Trainer, batch_split
 
 log = logging.getLogger(__name__)
 

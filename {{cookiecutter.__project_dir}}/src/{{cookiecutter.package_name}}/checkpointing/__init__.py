@@ -1,0 +1,2 @@
+"""A run's state on disk or in an object store: atomic verified checkpoints, the run's
+lock, saves in the background, the best checkpoint, resume checks and exported weights."""

@@ -1,0 +1,556 @@
+"""Process-group lifecycle: who am I, which device, how to start, how to stop.
+
+One code path serves every launcher. torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; a Slurm step with
+one task per GPU sets SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS; mpirun and mpiexec set their own
+(OMPI_COMM_WORLD_*, PMI_*); a plain `python -m` run has none and trains as a single process
+without a process group.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import os
+from collections.abc import Callable, Collection, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from ..config import ConfigError, DistConfig
+
+#: Set by process_group(); None for a single process, and in tests that start their own group.
+_control_group: dist.ProcessGroup | None = None
+#: The same ranks with the short timeout, for collectives between steps (see step_group()).
+_step_group: dist.ProcessGroup | None = None
+#: The store the ranks met in, in this attempt's namespace (set by process_group()): what the
+#: ranks tell each other where no collective can run (watchdog.py names missing ranks in it).
+_store: dist.Store | None = None
+# Newer torch renamed the forward-time buffer sync; passing the old name warns there.
+_BUFFER_SYNC_ARGUMENT = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else "broadcast_buffers"
+)
+
+
+class DistributedError(RuntimeError):
+    """The launch environment cannot start a process group as configured."""
+
+
+class LaunchIncompleteError(RuntimeError):
+    """Some ranks never reached the rendezvous (or rank 0 never answered) within the start-up
+    timeout: they failed to start, or cannot reach it."""
+
+
+class ReplicaMismatchError(RuntimeError):
+    """The model replicas on different ranks no longer hold the same parameters."""
+
+
+class GradientsNotReducedError(ReplicaMismatchError):
+    """DDP did not all-reduce a step's gradients: the task's code must change (exit 2)."""
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the job, read from the launcher's environment variables."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    launcher: str = "single"
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes the files that every rank holds a copy of."""
+        return self.rank == 0
+
+
+#: (rank, world size) as MPI launchers (mpirun, mpiexec) set them: Open MPI; MPICH, Intel MPI
+#: and MVAPICH under Hydra (PMI); MVAPICH's mpirun_rsh.
+_MPI_RANK_AND_SIZE = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("PMI_RANK", "PMI_SIZE"),
+    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"),
+)
+#: A process's rank on its host, as they (or Cray's PMI) set it; LOCAL_RANK when exported by hand.
+_MPI_LOCAL_RANK = (
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "MPI_LOCALRANKID",
+    "MV2_COMM_WORLD_LOCAL_RANK",
+    "PMI_LOCAL_RANK",
+    "LOCAL_RANK",
+)
+
+
+def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
+    """Read rank and world size from torchrun, then an MPI launcher, then Slurm, else assume a
+    single process.
+
+    MPI before Slurm: mpirun inside a Slurm allocation starts its processes from one Slurm task
+    per node, and all processes of a node inherit that task's SLURM_PROCID. A process of an
+    MPI launcher whose world size is unknown is refused: alone, it would train as a job of one
+    rank in the same run directory as the others.
+    """
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return DistEnv(
+            rank=int(environ["RANK"]),
+            local_rank=int(environ.get("LOCAL_RANK", "0")),
+            world_size=int(environ["WORLD_SIZE"]),
+            launcher="torchrun",
+        )
+    mpi = _mpi_env(environ)
+    if mpi is not None:
+        return mpi
+    if "SLURM_PROCID" in environ and int(environ.get("SLURM_NTASKS", "1")) > 1:
+        return DistEnv(
+            rank=int(environ["SLURM_PROCID"]),
+            local_rank=int(environ.get("SLURM_LOCALID", "0")),
+            world_size=int(environ["SLURM_NTASKS"]),
+            launcher="slurm",
+        )
+    if "PMIX_RANK" in environ and "SLURM_NTASKS" not in environ:
+        raise DistributedError(
+            "PMIX_RANK is set, but no variable gives the number of processes "
+            "(OMPI_COMM_WORLD_SIZE, PMI_SIZE, SLURM_NTASKS): this process would train alone "
+            "beside the others in one run directory. Launch with Open MPI's mpirun, srun or "
+            "torchrun, or export RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT."
+        )
+    return DistEnv()
+
+
+def _mpi_env(environ: Mapping[str, str]) -> DistEnv | None:
+    """This process's place in an MPI launch; None when no MPI launcher started it."""
+    for rank_name, size_name in _MPI_RANK_AND_SIZE:
+        if rank_name in environ and size_name in environ:
+            break
+    else:
+        return None
+    rank, world_size = int(environ[rank_name]), int(environ[size_name])
+    if world_size == 1:
+        return DistEnv()
+    local_names = list(_MPI_LOCAL_RANK)
+    if environ.get("SLURM_PROCID") == environ[rank_name]:
+        local_names.append("SLURM_LOCALID")  # srun --mpi=... started this very process
+    local_rank = next((environ[name] for name in local_names if name in environ), None)
+    if local_rank is None:
+        raise DistributedError(
+            f"{rank_name} is set, but no local rank ({', '.join(_MPI_LOCAL_RANK)}): export "
+            "LOCAL_RANK, this process's rank on its host, to every process, or use torchrun."
+        )
+    return DistEnv(rank=rank, local_rank=int(local_rank), world_size=world_size, launcher="mpi")
+
+
+def select_device(env: DistEnv, config: DistConfig) -> torch.device:
+    """Pick this rank's device; on CUDA, bind the process to its GPU before any CUDA work.
+
+    Local rank i takes visible GPU i. A process that sees exactly one GPU takes it whatever its
+    local rank: Slurm's GPU binding (`--gpus-per-task=1`, `--gpu-bind`) gives every task its own
+    GPU, numbered 0 in that task. torchrun binds nothing: all its local ranks see the same GPUs.
+    """
+    want_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    if not want_cuda:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise DistributedError(
+            "dist.device=cuda but no CUDA device is visible; use dist.device=cpu"
+        )
+    visible = torch.cuda.device_count()
+    if env.local_rank < visible:
+        index = env.local_rank
+    elif visible == 1 and env.launcher != "torchrun":
+        index = 0
+    else:
+        raise DistributedError(
+            f"local rank {env.local_rank} has no GPU: only {visible} visible to it. Start at "
+            "most one process per GPU (torchrun --nproc-per-node=gpu), or let Slurm bind one "
+            "GPU to each task (--gpus-per-task=1)."
+        )
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def select_backend(device: torch.device, config: DistConfig) -> str:
+    """NCCL for CUDA tensors, gloo for CPU ones, unless the config insists."""
+    if config.backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if config.backend == "nccl" and device.type != "cuda":
+        raise DistributedError("dist.backend=nccl needs CUDA devices; use dist.backend=gloo on CPU")
+    if config.backend == "mpi" and not dist.is_mpi_available():
+        raise ConfigError(
+            f"dist.backend=mpi needs a torch built with MPI, and this one (torch "
+            f"{torch.__version__}) is not: torch.distributed.is_mpi_available() is False. Use "
+            "dist.backend=auto (NCCL on GPUs, gloo on CPU), or build torch from source with MPI."
+        )
+    return config.backend
+
+
+@contextmanager
+def process_group(
+    env: DistEnv,
+    config: DistConfig,
+    agree: Callable[[dist.Store, torch.device], object] | None = None,
+    starting: AbstractContextManager | None = None,
+) -> Iterator[torch.device]:
+    """Start the process group (if there is more than one rank) and always tear it down.
+
+    Two timeouts: `dist.timeout_s` bounds start-up and every training collective, so that a hung
+    or lost rank ends the job in about a minute; `dist.barrier_timeout_s` bounds the barriers
+    around checkpoint writes and rank-0-only work (a large save, a tracker that starts slowly),
+    which run on a separate gloo group (CPU, so waiting never touches the GPU).
+
+    `agree(store, device)` runs once the ranks have met in the rendezvous store and before the
+    group starts (agreement.py: the ranks compare how they were launched). `starting` is
+    entered around the whole start (watchdog.startup_bounded: a bound, and stop signals).
+
+    On success every rank meets at a barrier before leaving, so no rank exits while another still
+    needs it. On an exception there is no barrier (the peers may be gone or hung): the group is
+    destroyed and the error propagates: the process exits non-zero and the launcher ends the job.
+    """
+    device = select_device(env, config)
+    if env.world_size > 1:
+        with starting or nullcontext():
+            try:
+                _start(env, config, device, agree)
+            except BaseException:
+                destroy_process_groups()
+                raise
+    try:
+        yield device
+    except BaseException:
+        destroy_process_groups()
+        raise
+    if dist.is_initialized():
+        # Free unreachable DDP objects now: a process group still referenced at interpreter
+        # exit can abort the process from gloo's worker threads.
+        gc.collect()
+        barrier()
+    destroy_process_groups()
+
+
+def _start(
+    env: DistEnv,
+    config: DistConfig,
+    device: torch.device,
+    agree: Callable[[dist.Store, torch.device], object] | None,
+) -> None:
+    """Meet in the rendezvous store, agree, then start the default group and the gloo ones."""
+    global _store
+    backend = select_backend(device, config)
+    timeout = timedelta(seconds=config.timeout_s)
+    _store = open_store(env, timeout)
+    if agree is not None:
+        agree(_store, device)
+    options: dict[str, Any] = {}
+    if backend != "mpi":  # MPI knows its ranks and needs no store
+        options = {"store": dist.PrefixStore("default_pg", _store)}
+        options.update(rank=env.rank, world_size=env.world_size)
+    dist.init_process_group(
+        backend=backend,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+        **options,
+    )
+    start_control_group(config.barrier_timeout_s, config.timeout_s)
+
+
+def start_control_group(timeout_s: float, step_timeout_s: float | None = None) -> None:
+    """Start the gloo groups of every rank: the control group, whose waits (barriers around
+    checkpoint writes, exchanges after slow work) last up to `timeout_s`, and the step group,
+    for collectives between steps, which wait up to `step_timeout_s` (default: `timeout_s`).
+
+    A collective: every rank calls it once, right after the default group has started.
+    """
+    global _control_group, _step_group
+    _control_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    step_timeout = timedelta(seconds=step_timeout_s or timeout_s)
+    _step_group = dist.new_group(backend="gloo", timeout=step_timeout)
+
+
+def control_group() -> dist.ProcessGroup | None:
+    """The group for barriers and exchanges after slow work (dist.barrier_timeout_s): None (the
+    default group) until one is started."""
+    return _control_group
+
+
+def step_group() -> dist.ProcessGroup | None:
+    """The group for collectives between steps (the stop checks, evaluation's layout), which
+    never wait for slow work: a rank that does not answer within dist.timeout_s is gone, or cut
+    off, and the job ends then rather than after dist.barrier_timeout_s."""
+    return _step_group
+
+
+def destroy_process_groups() -> None:
+    """Tear down the control groups and the default group, if they are running."""
+    global _control_group, _step_group, _store
+    _control_group = _step_group = _store = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rendezvous_store() -> dist.Store | None:
+    """The store the ranks met in, in this attempt's namespace; None without a process group."""
+    return _store
+
+
+def open_store(env: DistEnv, timeout: timedelta) -> dist.Store:
+    """The store the ranks meet in (MASTER_ADDR:MASTER_PORT), in a namespace of this attempt.
+
+    torchrun hosts that store itself (TORCHELASTIC_USE_AGENT_STORE) and keeps it across
+    `--max-restarts` restarts, so the keys of the failed attempt's process groups (each rank's
+    address) are still there: a restarted rank that reads its peer's old address connects to a
+    dead process ("Connection refused"), or both ranks wait for each other until gloo gives up.
+    A prefix per attempt (TORCHELASTIC_RESTART_COUNT) keeps the attempts apart. The launchers also
+    set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per attempt), which holds across
+    machines whose torchruns count restarts differently.
+    """
+    if env.launcher in _RENDEZVOUS_HINTS:
+        _require_rendezvous_address(env.launcher)
+    try:
+        store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+    except dist.DistError as error:
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise LaunchIncompleteError(
+            f"rank {env.rank}: the {env.world_size} ranks did not all reach the rendezvous "
+            f"store at {where} within dist.timeout_s={timeout.total_seconds():.0f} s "
+            f"({str(error).splitlines()[0]}). A rank failed to start (its node's log says "
+            "why), or cannot reach that address: a firewall, or a wrong MASTER_ADDR."
+        ) from error
+    store.set_timeout(timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return dist.PrefixStore(f"attempt_{attempt}", store)
+    return store
+
+
+#: Launchers that start every rank themselves, with how to give the ranks a meeting point.
+_RENDEZVOUS_HINTS = {
+    "slurm": "with one Slurm task per GPU the ranks meet at MASTER_ADDR:MASTER_PORT. Export "
+    'them in the batch script (the first host of `scontrol show hostnames "$SLURM_JOB_NODELIST"` '
+    "and a free port), or use torchrun.",
+    "mpi": "under mpirun the ranks meet at MASTER_ADDR:MASTER_PORT. Pass them to every process "
+    "(Open MPI: `mpirun -x MASTER_ADDR=<first host> -x MASTER_PORT=<free port>`; MPICH and "
+    "Intel MPI: `mpiexec -genv MASTER_ADDR <first host> -genv MASTER_PORT <free port>`), or "
+    "use torchrun.",
+}
+
+
+def _require_rendezvous_address(launcher: str) -> None:
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise DistributedError(f"{' and '.join(missing)} not set: {_RENDEZVOUS_HINTS[launcher]}")
+
+
+def is_distributed() -> bool:
+    """True when a process group is running (more than one rank)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier(timeout_s: float | None = None, group: dist.ProcessGroup | None = None) -> None:
+    """Wait for every rank, for up to `timeout_s` (default `dist.barrier_timeout_s`); a no-op
+    for a single process. With `timeout_s`, a rank that does not arrive in time is named in the
+    error (a monitored barrier). `group` (a gloo group) defaults to the control group; a save
+    in the background passes its own, so that its waits never interleave with training's."""
+    if not is_distributed():
+        return
+    group = group or _control_group
+    if timeout_s is None:
+        dist.barrier(group=group)
+    else:
+        dist.monitored_barrier(
+            group=group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True
+        )
+
+
+#: What to do about parameters that get no gradient in a step.
+_UNUSED_PARAMETERS_FIX = (
+    "Set dist.find_unused_parameters=true (costs a graph traversal per step), or make every "
+    "parameter take part in the loss."
+)
+
+
+@contextmanager
+def unused_parameters_hint() -> Iterator[None]:
+    """DDP's error for a parameter that got no gradient in a step, with the setting that
+    allows it in front: DDP's own words do not name it."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "find_unused_parameters" in str(error):
+            raise RuntimeError(
+                "some parameters got no gradient in a step, so DDP never finished reducing "
+                f"gradients. {_UNUSED_PARAMETERS_FIX} DDP's own message follows."
+            ) from error
+        raise
+
+
+def refuse_static_graph_with_accumulation(
+    config: DistConfig, accumulation_steps: int, batch: str
+) -> None:
+    """dist.static_graph and gradient accumulation (no_sync) do not go together in DDP
+    (pytorch/pytorch#143580): the backward fails with an internal assert, and torch's pending
+    fix leaves gradients that stop being all-reduced after the first step. As the accumulation
+    follows from the world size, a setting that trains on 8 GPUs would fail on 4: refused before
+    the process group starts, naming the batch split that needs the accumulation."""
+    if config.static_graph and accumulation_steps > 1:
+        raise ConfigError(
+            f"dist.static_graph=true cannot train with gradient accumulation, and {batch} takes "
+            f"{accumulation_steps} micro-batches per step: DDP's static graph fails under "
+            "no_sync (pytorch/pytorch#143580). Set dist.static_graph=false, or make a step one "
+            "micro-batch per rank (train.micro_batch_size at least train.global_batch_size / "
+            "ranks)."
+        )
+
+
+def wrap_ddp(
+    model: torch.nn.Module, device: torch.device, config: DistConfig, powersgd_start_step: int
+) -> DistributedDataParallel:
+    """Wrap `model` in DDP with the dist.* settings, and the gradient compression chosen."""
+    if config.comm_hook == "bf16" and dist.get_backend() != "nccl":
+        raise ConfigError(
+            "dist.comm_hook=bf16 needs the NCCL backend (CUDA GPUs); use dist.comm_hook=fp16 "
+            f"with {dist.get_backend()}"
+        )
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=config.bucket_cap_mb,
+        find_unused_parameters=config.find_unused_parameters,
+        static_graph=config.static_graph,
+        gradient_as_bucket_view=True,
+        **{_BUFFER_SYNC_ARGUMENT: config.broadcast_buffers},
+    )
+    if config.comm_hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif config.comm_hook == "bf16":
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif config.comm_hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=config.powersgd_rank,
+            start_powerSGD_iter=max(2, powersgd_start_step),
+        )
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return ddp
+
+
+def check_replicas(model: torch.nn.Module, step: int) -> None:
+    """Raise on every rank if any rank's parameters differ from rank 0's.
+
+    Each rank all-gathers one float64 checksum per parameter; the comparison is exact, so any
+    drift (a rank-local update, a non-deterministic op outside DDP) is caught the step it appears.
+    """
+    if not is_distributed():
+        return
+    with torch.no_grad():
+        local = torch.stack([param.detach().double().sum() for param in model.parameters()])
+    gathered = gather_rows(local)
+    differing = [rank for rank, sums in enumerate(gathered) if not torch.equal(sums, gathered[0])]
+    if differing:
+        raise ReplicaMismatchError(
+            f"step {step}: parameters on rank(s) {differing} differ from rank 0. Look for "
+            "parameter updates outside the optimizer step, or random ops that depend on the rank."
+        )
+
+
+def check_gradients_reduced(
+    model: torch.nn.Module, step: int, device: torch.device, ignored: Collection[str] = ()
+) -> None:
+    """Raise on every rank if the gradients DDP should have all-reduced differ between ranks.
+
+    DDP reduces gradients only for a backward through its own forward: a training_loss that
+    calls a method of the inner module (`model.module.losses(...)`, or
+    `getattr(model, "module", model)`, a common way to reach a GAN's two halves) skips it, and
+    each rank steps on its own gradients to the end of the run. After the all-reduce every
+    rank holds the same bits, so one float64 checksum per parameter, all-gathered once,
+    shows it. `ignored`: parameters DDP was told to leave alone.
+    """
+    if not is_distributed():
+        return
+    trainable = [
+        (name, param)
+        for name, param in model.named_parameters()
+        if param.requires_grad and name not in ignored
+    ]
+    named = [(name, param) for name, param in trainable if param.grad is not None]
+    with torch.no_grad():
+        local = torch.zeros(len(named), dtype=torch.float64, device=device)
+        for index, (_, param) in enumerate(named):
+            local[index] = param.grad.detach().double().sum().to(device)
+    rows = torch.nan_to_num(gather_rows(local), nan=0.0)
+    differing = [
+        name
+        for (name, _), column in zip(named, rows.T, strict=True)
+        if not (column == column[0]).all()
+    ]
+    if differing and (without := [n for n, p in trainable if p.grad is None]):
+        raise GradientsNotReducedError(
+            f"step {step}: {len(without)} parameter(s) got no gradient ({_some(without)}), so DDP "
+            f"never finished all-reducing the others. {_UNUSED_PARAMETERS_FIX}"
+        )
+    if differing:
+        raise GradientsNotReducedError(
+            f"step {step}: the gradients of {len(differing)} of {len(named)} parameter(s) differ "
+            f"between ranks ({_some(differing)}): "
+            "DDP did not all-reduce them. DDP reduces gradients only for a backward through its "
+            "own forward, so training_loss must call the model it is given (`model(...)`); "
+            "calling a method of the inner module (`model.module.f(...)`, "
+            "`getattr(model, 'module', model).f(...)`) skips it and every rank trains alone. "
+            "Put what the loss needs in the model's forward (it may return several outputs, or "
+            "take an argument that chooses the part to run)."
+        )
+
+
+def _some(names: list[str]) -> str:
+    """The first three names, and an ellipsis for the rest."""
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum `tensor` over ranks in place and return it; unchanged for a single process."""
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def gather_rows(values: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-D `values`, stacked in rank order (one row for a single process).
+
+    A collective on the default group: every rank must call it at the same point.
+    """
+    if not is_distributed():
+        return values.unsqueeze(0)
+    rows = [torch.empty_like(values) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, values)
+    return torch.stack(rows)
+
+
+def gather_objects(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's picklable `value`, in rank order, through `group` (a gloo group; default:
+    the control group).
+
+    A collective: every rank must call it at the same point. For small values, rarely: it
+    pickles.
+    """
+    if not is_distributed():
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value, group=group or _control_group)
+    return values
+
+
+def all_ranks_agree(flag: bool) -> bool:
+    """Whether `flag` is true on every rank: the same answer everywhere (MIN on the control group).
+
+    A collective: every rank must call it at the same point.
+    """
+    if not is_distributed():
+        return flag
+    tensor = torch.tensor([int(flag)])
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=_control_group)
+    return bool(tensor.item())

@@ -1,0 +1,1 @@
+"""What a run reports: logs, metrics.jsonl, throughput and MFU, the tracker and profiles."""

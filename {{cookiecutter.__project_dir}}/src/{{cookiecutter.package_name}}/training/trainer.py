@@ -1,0 +1,991 @@
+"""The training loop: accumulation under `no_sync`, mixed precision, clipping, scheduling,
+exact evaluation, checkpoints and resume.
+
+The task (task.py) supplies data, model, loss and metrics, through the contract of contract.py;
+this module owns how a step runs. One optimizer step consumes `accumulation_steps` micro-batches
+on every rank; gradients are all-reduced once, on the last of them.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import platform
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from .. import __version__
+from ..checkpointing.background_save import BackgroundSaver, CompletedSave
+from ..checkpointing.best import BestCheckpoint
+from ..checkpointing.checkpoint import (
+    INCOMPATIBLE_SUFFIX,
+    CheckpointReadError,
+    CheckpointSaveError,
+    NoUsableCheckpointError,
+    checkpoint_root,
+    latest_checkpoint,
+    load_newest_intact,
+    new_job_token,
+    room_warning,
+    save_checkpoint,
+    save_timeout_s,
+    set_aside,
+)
+from ..checkpointing.resume import (
+    ResumeError,
+    announce_world_size_change,
+    changed_settings,
+    check_changes,
+)
+from ..checkpointing.storage import Location, local_dir_of
+from ..checkpointing.weights import export_weights, load_initial_weights
+from ..cluster.agreement import agree_on_data, roster
+from ..cluster.distributed import (
+    DistEnv,
+    all_reduce_sum,
+    check_gradients_reduced,
+    check_replicas,
+    gather_objects,
+    gather_rows,
+    step_group,
+    unused_parameters_hint,
+    wrap_ddp,
+)
+from ..config import BestConfig, Config, ConfigError, to_yaml
+from ..contract import TaskBase, adopt, check_datasets
+from ..faults.stopping import StopRequests
+from ..loading.data import build_eval_loader, build_train_loader, loader_workers, usable_cores
+from ..monitoring.logs import ProgressBar
+from ..monitoring.metrics import MetricsLogger, read_metrics
+from ..monitoring.profiling import StepProfiler
+from ..monitoring.throughput import StepMeter, describe, peak_flops, window_figures
+from . import rng
+from .divergence import DivergenceGuard, SkipPolicy
+from .losses import StepLoss, WindowSums
+from .optimizer import build_optimizer, follow_settings, own_options
+
+log = logging.getLogger(__name__)
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
+
+
+def batch_split(global_batch_size: int, max_micro: int, world_size: int) -> tuple[int, int]:
+    """(micro-batch size, accumulation steps) that give `global_batch_size` on `world_size` ranks.
+
+    Each rank takes global_batch_size / world_size samples per step, in the fewest equal
+    micro-batches of at most `max_micro` (train.micro_batch_size). Refused only when the global
+    batch cannot be shared equally, with the nearest global batches and world sizes that can.
+    """
+    if global_batch_size % world_size:
+        below = global_batch_size // world_size * world_size
+        batches = " or ".join(str(size) for size in (below, below + world_size) if size > 0)
+        sizes = [size for size in range(1, global_batch_size + 1) if global_batch_size % size == 0]
+        lower = max(size for size in sizes if size < world_size)
+        higher = [size for size in sizes if size > world_size][:1]
+        worlds = " or ".join(str(size) for size in [lower, *higher])
+        raise ConfigError(
+            f"train.global_batch_size={global_batch_size} cannot be shared equally by "
+            f"{world_size} ranks. Use train.global_batch_size={batches}, or {worlds} ranks."
+        )
+    per_rank = global_batch_size // world_size
+    micro = max(size for size in range(1, min(per_rank, max_micro) + 1) if per_rank % size == 0)
+    return micro, per_rank // micro
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warmup to 1, then cosine decay to `min_lr_ratio` at `total_steps`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """Move the tensors of a batch (tensor, tuple, list or dict of them) to `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to_device(item, device) for item in batch)
+    if isinstance(batch, dict):
+        return {key: move_to_device(value, device) for key, value in batch.items()}
+    return batch
+
+
+class Trainer:
+    """Runs the optimization for one task on one rank; every rank runs the same Trainer."""
+
+    def __init__(
+        self,
+        config: Config,
+        task: object,
+        env: DistEnv,
+        device: torch.device,
+        run_dir: Location,
+        metrics: MetricsLogger,
+        stop: StopRequests | None = None,
+    ) -> None:
+        self.config = config
+        self.task: TaskBase = adopt(task)
+        self.env = env
+        self.device = device
+        self.run_dir = run_dir
+        #: Logs, metrics, profiles, exports: run_dir itself, or its local part on an object store.
+        self.local_dir = local_dir_of(run_dir)
+        self.metrics = metrics
+        train = config.train
+        self.micro_batch_size, self.accumulation_steps = batch_split(
+            train.global_batch_size, train.micro_batch_size, env.world_size
+        )
+        checkpoint = config.checkpoint
+        self.stop = stop or StopRequests(checkpoint.stop_on_signals, checkpoint.stop_check_s)
+        self.step = 0
+        #: This job's name (rank 0's, on every rank): it names the staging of its saves.
+        self.job: str = gather_objects(new_job_token())[0]
+        #: Seconds the previous save of this launch took: it bounds the waits of the next.
+        self.last_save_s: float | None = None
+        #: checkpoint.async: the writer of scheduled saves, with its own gloo group (a
+        #: collective: every rank builds its Trainer at the same point).
+        self.background: BackgroundSaver | None = None
+        if checkpoint.async_save:
+            self.background = BackgroundSaver(
+                pin_memory=device.type == "cuda", timeout_s=config.dist.barrier_timeout_s
+            )
+
+        groups = self._build_model()
+        self._build_data()
+        self._build_optimization(groups)
+        self._build_accounting()
+
+    def _build_model(self) -> list[dict[str, Any]]:
+        """The task's model on the device, the same on every rank, wrapped in DDP (and
+        torch.compile); then each rank's own random streams. Returns the task's parameter
+        groups, as it made them: the options each sets itself outlive a resume."""
+        config, device = self.config, self.device
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = config.train.tf32
+            torch.backends.cudnn.allow_tf32 = config.train.tf32
+        # The same seed on every rank gives the same initial weights (DDP also broadcasts rank 0's).
+        rng.seed_all(config.run.seed)
+        self.model = self.task.build_model().to(device)
+        self._announce_batch_norm()
+        groups = self.task.param_groups(self.model)
+        self.own_group_options = own_options(groups)
+        self.ddp: DistributedDataParallel | None = None
+        if self.env.world_size > 1:
+            # PowerSGD compresses only after the lr warmup, as its paper advises.
+            self.ddp = wrap_ddp(self.model, device, config.dist, config.optim.warmup_steps)
+        # What the step calls: the DDP wrapper (or the bare model on one rank), maybe compiled.
+        self.ddp_model: torch.nn.Module = self.ddp or self.model
+        if config.train.compile:
+            self.ddp_model = torch.compile(self.ddp_model)
+        # From here on each rank draws its own random numbers (dropout, augmentation).
+        self._seed_rank_streams()
+        return groups
+
+    def _build_data(self) -> None:
+        """The task's data sets, checked and agreed on by every rank, and their loaders; the
+        steps per epoch and in the run."""
+        config, train = self.config, self.config.train
+        train_set, eval_set = self.task.build_datasets()
+        check_datasets(train_set, eval_set)
+        workers = self._loader_workers()
+        # Worker processes seed each sample's random draws; the training process draws from
+        # the rank's own streams: ranks mixing the two would augment differently.
+        agree_on_data(
+            {"training set": train_set, "evaluation set": eval_set},
+            {"loads in worker processes (data.num_workers)": workers > 0},
+        )
+        self.train_loader, self.sampler = build_train_loader(
+            train_set,
+            self.env,
+            config.data,
+            self.micro_batch_size,
+            config.run.seed,
+            self.device,
+            self.task.collate,
+            workers,
+        )
+        self.eval_loader = build_eval_loader(
+            eval_set,
+            self.env,
+            config.data,
+            train.eval_batch_size,
+            config.run.seed,
+            self.device,
+            self.task.collate,
+            workers,
+        )
+        # The same on any world size: step s of an epoch always trains on the same global samples.
+        self.steps_per_epoch = len(train_set) // train.global_batch_size
+        if self.steps_per_epoch == 0:
+            raise ConfigError(
+                f"the training set ({len(train_set)} samples) is smaller than one global batch "
+                f"({train.global_batch_size}); lower train.global_batch_size"
+            )
+        self.total_steps = (
+            train.max_steps if train.max_steps > 0 else train.epochs * self.steps_per_epoch
+        )
+
+    def _build_optimization(self, groups: list[dict[str, Any]]) -> None:
+        """AdamW over the task's groups, the schedule, mixed precision and the moving average."""
+        optim, train = self.config.optim, self.config.train
+        self.optimizer = build_optimizer(self.model, groups, optim, self.device)
+        self.scheduler = LambdaLR(
+            self.optimizer,
+            partial(
+                warmup_cosine,
+                warmup_steps=optim.warmup_steps,
+                total_steps=self.total_steps,
+                min_lr_ratio=optim.min_lr_ratio,
+            ),
+        )
+        self.autocast_dtype = AUTOCAST_DTYPES[train.mixed_precision]
+        # Loss scaling only for fp16: bf16 has fp32's exponent range and needs none.
+        self.scaler = torch.amp.GradScaler(
+            self.device.type, enabled=train.mixed_precision == "fp16"
+        )
+        self.ema = self._build_ema()
+
+    def _build_accounting(self) -> None:
+        """What the steps keep account of: the log line's sums, the loss's scaling, the
+        non-finite guard, the best checkpoint, and the throughput figures."""
+        train, device = self.config.train, self.device
+        # What the log line reports (losses, counts, throughput units), summed since the last
+        # one where it was computed: nothing in a step waits for the device. Kept in the
+        # checkpoint so that resumed logs match.
+        self.window = WindowSums(device)
+        self.total_units = 0.0
+        self.step_loss = StepLoss(
+            self.accumulation_steps, self.micro_batch_size, train.global_batch_size, device
+        )
+        # fp16's loss scaler skips the steps whose gradients overflow: only its losses count.
+        self.guard = DivergenceGuard(device, watch_gradients=train.mixed_precision != "fp16")
+        self.skips = SkipPolicy(
+            train.on_nonfinite == "skip", train.max_skipped_steps, self.env.is_main
+        )
+        #: Whether this launch's first step found its gradients all-reduced (a task may skip DDP).
+        self.gradients_checked = False
+        self.best = BestCheckpoint(self.config.best)
+        self.saved_step: int | None = None
+        self.meter = StepMeter(device)
+        self.unit = self.task.throughput_unit
+        self.units_per_micro_batch = self.micro_batch_size * self.task.units_per_sample
+        flops = self.task.flops_per_sample(self.model)
+        self.flops_per_step = None if flops is None else train.global_batch_size * flops
+        precision = train.mixed_precision
+        if precision == "none":
+            precision = "tf32" if train.tf32 and device.type == "cuda" else "fp32"
+        self.peak_flops = peak_flops(device, precision, train.peak_tflops)
+
+    def _loader_workers(self) -> int:
+        """data.num_workers, resolved for the ranks of this host; `auto` says so in one line,
+        and more workers than cores are warned about."""
+        ranks_here = roster().ranks_on(socket.gethostname()) or self.env.world_size
+        cores = usable_cores()
+        workers = loader_workers(self.config.data, ranks_here, cores)
+        if self.env.local_rank == 0:
+            if self.config.data.num_workers == "auto":
+                log.info(
+                    "data.num_workers=auto: %d loader worker(s) per rank (%d usable core(s) "
+                    "for %d rank(s) on %s)",
+                    workers,
+                    cores,
+                    ranks_here,
+                    socket.gethostname(),
+                )
+            if ranks_here * workers > cores:
+                log.warning(
+                    "%d rank(s) x %d loader workers on %s exceed its %d usable cores: they "
+                    "compete for them; lower data.num_workers",
+                    ranks_here,
+                    workers,
+                    socket.gethostname(),
+                    cores,
+                )
+        return workers
+
+    def _announce_batch_norm(self) -> None:
+        """Batch statistics come from each rank's micro-batch: say what that means, once.
+        SyncBatchNorm takes them over every rank's, which is what it is for: not counted."""
+        norms = sum(
+            isinstance(module, _BatchNorm) and not isinstance(module, torch.nn.SyncBatchNorm)
+            for module in self.model.modules()
+        )
+        if norms and self.env.is_main:
+            log.warning(
+                "the model has %d BatchNorm layer(s): in training they normalize with the "
+                "statistics of one micro-batch on one rank (%d samples here), so the training "
+                "depends on the micro-batch size and the world size, unlike the rest of the "
+                "step, and the running statistics of rank 0 are kept",
+                norms,
+                self.micro_batch_size,
+            )
+
+    def _build_ema(self) -> AveragedModel | None:
+        """The weights' moving average (ema.decay > 0), updated after every optimizer step."""
+        decay = self.config.ema.decay
+        if decay == 0:
+            return None
+        return AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+
+    # --- the step ---------------------------------------------------------------------------
+
+    def autocast(self) -> AbstractContextManager:
+        return torch.autocast(
+            self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
+        )
+
+    def _sync_context(self, last_micro_step: bool) -> AbstractContextManager:
+        # no_sync must cover forward AND backward: DDP prepares its gradient reduction in forward.
+        if last_micro_step or self.ddp is None:
+            return nullcontext()
+        return self.ddp.no_sync()
+
+    def train_step(self, batches: Iterator[Any]) -> torch.Tensor | None:
+        """One optimizer step over `accumulation_steps` micro-batches, in nanoGPT's shape:
+        forward and backward of each (DDP all-reduces the gradients on the last only), then
+        unscale, clip, step, schedule. The loss's scaling over micro-batches and ranks is
+        losses.StepLoss's; the non-finite guard and skipping are divergence.py's.
+
+        Returns the gradient norm before clipping when it is computed anyway (clipping on) or
+        will be logged after this step, else None. Nothing in a step waits for the device
+        (fp16's inf/nan check and train.on_nonfinite=skip aside).
+        """
+        losses = self.step_loss
+        losses.start()
+        with unused_parameters_hint():
+            for micro_step in range(self.accumulation_steps):
+                last = micro_step == self.accumulation_steps - 1
+                batch = self._next_batch(batches)
+                with self._sync_context(last_micro_step=last):
+                    with self.autocast():
+                        loss = losses.add(self.task.training_loss(self.ddp_model, batch), last)
+                    self.scaler.scale(loss).backward()
+                self._count_units(batch)
+        self.scaler.unscale_(self.optimizer)  # the true gradients (fp16 scales the loss)
+        losses.rescale_gradients(self.model)
+        self._check_gradients_once()
+        grad_norm = self._clip_gradients()
+        skip = self.skips.skips(self.step + 1, grad_norm)
+        if not skip:
+            self.scaler.step(self.optimizer)  # with fp16, skipped on every rank on inf/nan
+            self.scaler.update()
+            if self.ema is not None:
+                self.ema.update_parameters(self.model)
+            losses.add_to(self.window)
+        self.guard.end_step(self.step + 1, losses.values(), grad_norm, skipped=skip)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return grad_norm
+
+    def _next_batch(self, batches: Iterator[Any]) -> Any:
+        """The next micro-batch on the device; the wait for it is the log line's data wait."""
+        waiting = time.perf_counter()
+        batch = move_to_device(next(batches), self.device)
+        self.meter.data_wait_s += time.perf_counter() - waiting
+        return batch
+
+    def _count_units(self, batch: Any) -> None:
+        """The throughput units of a micro-batch (task.units, or its samples)."""
+        units = self.task.units(batch)
+        self.window.add("units", self.units_per_micro_batch if units is None else units)
+
+    def _check_gradients_once(self) -> None:
+        """At the first step of a launch: did DDP all-reduce the gradients? A task whose loss
+        skips DDP's forward would train every rank alone."""
+        if self.gradients_checked:
+            return
+        self.gradients_checked = True
+        if self.ddp is not None:
+            ignored = getattr(self.ddp, "parameters_to_ignore", ())
+            check_gradients_reduced(self.model, self.step + 1, self.device, ignored)
+
+    def _clip_gradients(self) -> torch.Tensor | None:
+        """Clip to optim.grad_clip (the norm before clipping); else the norm only when the skip
+        policy or the next log line needs it."""
+        if self.config.optim.grad_clip > 0:
+            return torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), self.config.optim.grad_clip
+            )
+        if self.skips.enabled or self._due(self.config.train.log_every, self.step + 1):
+            grads = [param.grad for param in self.model.parameters() if param.grad is not None]
+            return torch.nn.utils.get_total_norm(grads)
+        return None
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def fit(self) -> int:
+        """Train until `total_steps`, evaluating, logging and checkpointing on schedule.
+
+        Returns the process exit status: 0 when finished or stopped on request, and
+        stopping.EXIT_RESUMABLE when stopped by SIGTERM (with a checkpoint at the last step).
+        """
+        with self.stop.installed():
+            if self.stop.agreed_now():  # a signal during start-up: nothing new to save
+                return self._stopped()
+            if self.step >= self.total_steps:
+                log.info(
+                    "run already complete at step %d of %d; nothing to do",
+                    self.step,
+                    self.total_steps,
+                )
+                return 0
+            if self.best.exhausted:
+                log.info(
+                    "run stopped early at step %d (%s, no improvement in %d evaluations); "
+                    "nothing to do: raise best.patience to train on",
+                    self.step,
+                    self.best.describe(),
+                    self.best.evaluations_since,
+                )
+                return 0
+            self._log_start()
+            first_step, started = self.step, time.perf_counter()
+            is_main = self.env.is_main
+            show_bar = self.config.train.progress_bar and is_main
+            progress = ProgressBar(self.step, self.total_steps, show_bar)
+            profiler = StepProfiler(self.config.profile, self.local_dir, self.device, is_main)
+            try:
+                status = self._train_loop(progress, profiler)
+            except Exception:
+                self._wait_for_save_after_failure()
+                raise
+            finally:
+                profiler.stop()
+                progress.close()
+        self._log_summary(first_step, time.perf_counter() - started)
+        return status
+
+    def _train_loop(self, progress: ProgressBar, profiler: StepProfiler) -> int:
+        self.ddp_model.train()
+        self.meter.start()
+        while self.step < self.total_steps:
+            epoch, step_in_epoch = divmod(self.step, self.steps_per_epoch)
+            samples_per_rank_per_step = self.micro_batch_size * self.accumulation_steps
+            self.sampler.set_epoch(epoch, start_index=step_in_epoch * samples_per_rank_per_step)
+            batches = iter(self.train_loader)
+            for _ in range(step_in_epoch, self.steps_per_epoch):
+                if self.step >= self.total_steps:
+                    break
+                grad_norm = self.train_step(batches)
+                self.step += 1
+                self.meter.steps += 1
+                profiler.step()
+                progress.update(self.step)
+                self._periodic(epoch, grad_norm)
+                if self.best.exhausted:
+                    return self._stop_early()
+                if self.stop.agreed_after_step():
+                    self._save_once()
+                    return self._stopped()
+        self.stop.close()
+        self._save_once()  # the last step's checkpoint, complete
+        log.info("training complete at step %d", self.step)
+        if self.config.checkpoint.export:
+            self.export()
+        return 0
+
+    def _log_start(self) -> None:
+        log.info(
+            "training steps %d..%d: %d ranks, global batch %d = %d ranks x %d micro-batch x "
+            "%d accumulation, %d steps/epoch, device %s, precision %s%s",
+            self.step + 1,
+            self.total_steps,
+            self.env.world_size,
+            self.config.train.global_batch_size,
+            self.env.world_size,
+            self.micro_batch_size,
+            self.accumulation_steps,
+            self.steps_per_epoch,
+            self.device,
+            self.config.train.mixed_precision,
+            ", compiled" if self.config.train.compile else "",
+        )
+        if self.background is not None:
+            log.info(
+                "checkpoint.async: checkpoints are written in the background; training pauses "
+                "only to copy the state to host memory"
+            )
+
+    def _stopped(self) -> int:
+        arrivals = self.stop.describe_arrivals()
+        log.info(
+            "stopped at step %d of %d on %s%s; launch the same command again to continue from "
+            "there (exit status %d)",
+            self.step,
+            self.total_steps,
+            self.stop.reason,
+            f" (received here: {arrivals})" if arrivals else "",
+            self.stop.exit_status,
+        )
+        return self.stop.exit_status
+
+    def _periodic(self, epoch: int, grad_norm: torch.Tensor | None) -> None:
+        """What runs between steps on schedule. Every rank takes the same branches."""
+        config = self.config
+        if self.background is not None:
+            self.background.poll()
+        if config.dist.check_replicas_every and self._due(config.dist.check_replicas_every):
+            check_replicas(self.model, self.step)
+        if self._due(config.train.log_every):
+            self._log_train(epoch, grad_norm)
+        new_best = False
+        if self._due(config.train.eval_every):
+            record = {f"eval/{k}": v for k, v in self.evaluate().items()}
+            if self.ema is not None:
+                averaged = self.evaluate(self.ema.module, "eval (EMA)")
+                record.update({f"eval_ema/{k}": v for k, v in averaged.items()})
+            self.metrics.log(self.step, record)
+            new_best = self.best.update(self.step, record)
+        if new_best or self._due(config.checkpoint.every_steps):
+            self._save_once(scheduled=True)
+
+    def _save_once(self, scheduled: bool = False) -> None:
+        """Save this step, unless that is done (a stop or a new best at a scheduled save), once
+        every rank's record shows only finite values (divergence.py).
+
+        A scheduled save is written in the background with checkpoint.async. The others (a
+        stop, an early stop, the end of training) are followed by the exit: they are written at
+        once, and return once this step's checkpoint is complete (one in flight included).
+        """
+        if self.saved_step != self.step:
+            models = [self.model] if self.ema is None else [self.model, self.ema.module]
+            self.guard.check_weights(self.step, models)
+            self._raise_if_diverged(gather_rows(self.guard.record()).cpu())
+            if scheduled and self.background is not None:
+                self.save_in_background()
+            else:
+                self.save()
+            self.saved_step = self.step
+        if not scheduled:
+            self.wait_for_save()
+
+    def _wait_for_save_after_failure(self) -> None:
+        """Training failed: finish the save in flight, whose state was checked before it was
+        taken, and say how it ended; the failure itself is raised by the caller."""
+        try:
+            self.wait_for_save()
+        except CheckpointSaveError as error:
+            log.error("%s", error)
+
+    def _raise_if_diverged(self, guard_rows: torch.Tensor) -> None:
+        newest = latest_checkpoint(self.run_dir)
+        self.guard.raise_if_diverged(guard_rows, newest.name if newest else "none yet")
+
+    def _stop_early(self) -> int:
+        """best.patience evaluations without improvement: every rank stops here, with a
+        checkpoint, as a finished run."""
+        self._save_once()
+        self.stop.close()
+        log.info(
+            "stopped early at step %d of %d: %s has not improved for %d evaluations (%s)",
+            self.step,
+            self.total_steps,
+            self.config.best.metric,
+            self.best.evaluations_since,
+            self.best.describe(),
+        )
+        if self.config.checkpoint.export:
+            self.export()
+        return 0
+
+    def _due(self, every: int, step: int | None = None) -> bool:
+        """Whether something done every `every` steps is due after `step` (default: this one)."""
+        step = self.step if step is None else step
+        return step % every == 0 or step == self.total_steps
+
+    def _log_train(self, epoch: int, grad_norm: torch.Tensor | None) -> None:
+        window = self.meter.window()
+        self.meter.pause()
+        # One collective per log line, gathered from every rank at the same step: the sums of
+        # losses, counts and units, and each rank's timings (the spread shows stragglers).
+        names = self.window.names()
+        sums = self.window.totals(names)
+        local = sums.new_tensor([window.train_s, window.data_wait_s, float(window.peak_memory)])
+        # The divergence guard's record rides along: no collective of its own.
+        rows = gather_rows(torch.cat([sums, local, self.guard.record()])).cpu()
+        timings = rows[:, len(names) : len(names) + len(local)]
+        guard_rows = rows[:, len(names) + len(local) :]
+        totals = dict(zip(names, rows[:, : len(names)].sum(dim=0).tolist(), strict=True))
+        self.total_units += totals["units"]
+        figures = window_figures(
+            timings,
+            window.steps,
+            self.unit,
+            totals["units"],
+            self.flops_per_step,
+            self.peak_flops,
+        )
+        # Means over the window: every micro-batch alike, or every counted item alike.
+        losses = {
+            f"train/{name.removeprefix('part/')}": totals[name] / totals["count"]
+            for name in names
+            if name == "loss" or name.startswith("part/")
+        }
+        values = {**losses, "train/lr": self.scheduler.get_last_lr()[0]}
+        line = f"step {self.step}/{self.total_steps} | epoch {epoch} | "
+        line += " | ".join(f"{name[6:]} {value:.4f}" for name, value in losses.items())
+        line += f" | lr {values['train/lr']:.2e}"
+        if grad_norm is not None:
+            values["train/grad_norm"] = grad_norm.item()
+            line += f" | grad norm {values['train/grad_norm']:.3f}"
+        log.info("%s | %s", line, describe(figures, self.unit))
+        self.metrics.log(self.step, {**values, **figures, "epoch": epoch})
+        self.window.reset()
+        self._raise_if_diverged(guard_rows)
+        self.meter.resume()
+
+    def _log_summary(self, first_step: int, wall_s: float) -> None:
+        """One line at the end of a launch: what was done, how fast, and where the results are."""
+        if not self.env.is_main:
+            return
+        meter = self.meter
+        rate = self.total_units / max(meter.total_train_s, 1e-9)
+        best = best_evaluation(read_metrics(self.local_dir), self.config.best)
+        newest = latest_checkpoint(self.run_dir)
+        log.info(
+            "summary: steps %d..%d of %d in %.1f s (%.0f %s/s while training); %s; "
+            "checkpoints in %s (newest: %s)",
+            first_step + 1,
+            self.step,
+            self.total_steps,
+            wall_s,
+            rate,
+            self.unit,
+            best,
+            checkpoint_root(self.run_dir),
+            newest.name if newest else "none",
+        )
+
+    @torch.no_grad()
+    def evaluate(
+        self, model: torch.nn.Module | None = None, name: str = "eval"
+    ) -> dict[str, float]:
+        """Metrics of `model` (default: the one trained) over the whole evaluation set, each
+        sample counted once across all ranks. Its time is left out of the training throughput.
+
+        Each rank adds up the task's `evaluation_sums` in float64; the ranks agree on the
+        entries (a rank may have had no batch), sum them in one all-reduce, and the task turns
+        the totals into metrics (`evaluation_metrics`).
+        """
+        self.meter.pause()
+        model = model or self.model
+        model.eval()
+        local: dict[str, torch.Tensor] = {}
+        for batch in self.eval_loader:
+            with self.autocast():
+                sums = self.task.evaluation_sums(model, move_to_device(batch, self.device))
+            for key, value in sums.items():
+                parts = value if isinstance(value, tuple) else (value,)
+                vector = torch.stack(
+                    [torch.as_tensor(part, device=self.device).double() for part in parts]
+                )
+                local[key] = local[key] + vector if key in local else vector
+        layout: dict[str, int] = {}
+        mine = {key: len(value) for key, value in local.items()}
+        for shapes in gather_objects(mine, step_group()):
+            layout.update({key: size for key, size in shapes.items() if key not in layout})
+        flat = [
+            local.get(key, torch.zeros(size, dtype=torch.float64, device=self.device))
+            for key, size in layout.items()
+        ]
+        reduced = all_reduce_sum(torch.cat(flat)).tolist() if flat else []
+        totals: dict[str, Any] = {}
+        for key, size in layout.items():
+            values, reduced = reduced[:size], reduced[size:]
+            totals[key] = values[0] if size == 1 else tuple(values)
+        metrics = self.task.evaluation_metrics(totals)
+        log.info(
+            "%s at step %d | %s",
+            name,
+            self.step,
+            " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
+        )
+        self.ddp_model.train()
+        self.meter.resume()
+        return metrics
+
+    # --- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The replicated state: identical on every rank, written once by rank 0."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "step": self.step,
+            "epoch": self.step // self.steps_per_epoch,
+            "step_in_epoch": self.step % self.steps_per_epoch,
+            "sampler": {
+                "seed": self.sampler.seed,
+                "epoch": self.sampler.epoch,
+                "start_index": self.sampler.start_index,
+            },
+            "task": self.task.state_dict(),
+            "ema": None if self.ema is None else self.ema.state_dict(),
+            "best": self.best.state_dict(),
+            "skipped_steps": self.skips.skipped,
+            "world_size": self.env.world_size,
+            "global_batch_size": self.config.train.global_batch_size,
+            "config": self.config.to_dict(),
+            "versions": {
+                "package": __version__,
+                "torch": str(torch.__version__),
+                "python": platform.python_version(),
+            },
+        }
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """What differs between ranks: RNG streams and this rank's share of the logging window.
+
+        The throughput units are left out: they go with the meter's clock, which restarts with
+        every launch.
+        """
+        window = {k: v for k, v in self.window.state_dict().items() if k != "units"}
+        return {
+            "rank": self.env.rank,
+            "rng": rng.capture(self.device),
+            "window": window,
+        }
+
+    def save(self) -> Path:
+        """Write a checkpoint of this step (a collective); its time is left out of throughput.
+
+        A save in the background still in flight is waited for first. The ranks wait for each
+        other around the save for dist.barrier_timeout_s the first time in a launch, then for a
+        bound from the previous save's write time (checkpoint.py), so a rank hung in a save ends
+        the job soon, named.
+        """
+        self.meter.pause()
+        write, done = self._checkpoint_writer()
+        started = time.perf_counter()
+        path = write((self.state_dict(), self.rank_state_dict()))
+        done(CompletedSave(self.step, path, stall_s=0.0, write_s=time.perf_counter() - started))
+        self.meter.resume()
+        return path
+
+    def save_in_background(self) -> None:
+        """Copy this step's state to host memory and write its checkpoint in a thread while
+        training goes on (checkpoint.async; a collective). A save still in flight is waited for
+        first; what follows a complete checkpoint runs once it is (background_save.py)."""
+        if self.background is None:
+            raise RuntimeError("save_in_background needs checkpoint.async=true")
+        self.meter.pause()
+        write, done = self._checkpoint_writer(background=True)
+        states = (self.state_dict(), self.rank_state_dict())
+        self.background.start(self.step, states, write, done)
+        self.meter.resume()
+
+    def wait_for_save(self) -> None:
+        """Wait for the save in the background, if one is in flight, and finish it: raises
+        CheckpointSaveError when it failed (on every rank alike)."""
+        if self.background is not None:
+            self.background.wait()
+
+    def _checkpoint_writer(
+        self, background: bool = False
+    ) -> tuple[Callable[[tuple[dict, dict]], Path], Callable[[CompletedSave], None]]:
+        """(write, done) of a save of this step, after waiting for the save in flight: `write`
+        takes (state, rank state) and writes them, `done` follows a complete checkpoint."""
+        self.wait_for_save()  # at most one save in flight; last_save_s is then its write time
+        step, best = self.step, self.best.checkpoint_name
+        # A new best at this step: best.json names this checkpoint once it is complete, with
+        # the verdict as of this step (a later evaluation may find a newer best meanwhile).
+        kept_best = copy.copy(self.best) if self.best.step == step else None
+        timeout_s = save_timeout_s(self.last_save_s, self.config.dist.barrier_timeout_s)
+        group = None if self.background is None else self.background.group
+
+        def write(states: tuple[dict, dict]) -> Path:
+            return save_checkpoint(
+                self.run_dir,
+                step,
+                *states,
+                self.env,
+                keep_last=self.config.checkpoint.keep_last,
+                job=self.job,
+                timeout_s=timeout_s,
+                keep=[best] if best else [],
+                group=group,
+            )
+
+        return write, partial(self._saved, best=kept_best, background=background)
+
+    def _saved(
+        self, completed: CompletedSave, best: BestCheckpoint | None, background: bool
+    ) -> None:
+        """What follows a complete checkpoint: the records up to its step may reach the
+        tracker, and best.json may name it."""
+        self.last_save_s = completed.write_s
+        self.metrics.flush(through=completed.step)
+        if background:
+            # A stop waits for the save in flight, then saves: its deadline (watchdog.py),
+            # sized from the longest step, must cover a background write too.
+            self.stop.longest_step_s = max(self.stop.longest_step_s, completed.write_s)
+            log.info(
+                "saved checkpoint %s, written in %.2f s in the background (training paused "
+                "%.2f s to copy the state)",
+                completed.path,
+                completed.write_s,
+                completed.stall_s,
+            )
+        else:
+            log.info("saved checkpoint %s, written in %.2f s", completed.path, completed.write_s)
+        if best is not None and self.env.is_main:
+            best.write(self.run_dir)
+            log.info("new %s: checkpoint %s is kept", best.describe(), best.checkpoint_name)
+
+    def resume(self) -> bool:
+        """Continue from the newest checkpoint that every rank can load, if there is one.
+
+        A collective. Settings changed since the checkpoint are refused or applied (resume.py),
+        each optimizer group follows the current settings and its own options again
+        (optimizer.py); on another number of ranks, the per-rank random streams are derived
+        afresh. When the run directory holds checkpoints and none can be used, or one cannot be
+        read for a reason that is not damage (memory, permissions, I/O), raises ResumeError;
+        with checkpoint.start_over_if_unusable, a new run starts at step 0 instead.
+        """
+        try:
+            loaded = load_newest_intact(self.run_dir, self.env)
+        except CheckpointReadError as error:
+            raise ResumeError(str(error)) from error
+        except NoUsableCheckpointError as error:
+            if not self.config.checkpoint.start_over_if_unusable:
+                raise ResumeError(
+                    f"{error} The run's metrics are untouched. Launch again once the cause is "
+                    "fixed, start a new run with another run.dir, or set "
+                    "checkpoint.start_over_if_unusable=true to start a new run in this one "
+                    "(the old metrics are kept aside)."
+                ) from error
+            self._start_over(error.incompatible)
+            return False
+        if loaded is None:
+            return False
+        state, announce = loaded.state, self.env.is_main
+        changes = changed_settings(state["config"], self.config.to_dict())
+        check_changes(changes, loaded.path, announce)
+        self.model.load_state_dict(state["model"])
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except ValueError as error:  # other groups, or groups of other sizes
+            saved = [len(group["params"]) for group in state["optimizer"]["param_groups"]]
+            now = [len(group["params"]) for group in self.optimizer.param_groups]
+            raise ResumeError(
+                f"cannot resume {loaded.path}: its optimizer has parameter groups of {saved} "
+                f"tensors, and the task's param_groups now makes groups of {now} ({error}). "
+                "Restore the task's param_groups, or start a new run with another run.dir."
+            ) from error
+        self.scheduler.load_state_dict(state["scheduler"])
+        if state["scaler"]:  # empty when saved without fp16 loss scaling
+            self.scaler.load_state_dict(state["scaler"])
+        follow_settings(
+            self.optimizer, self.scheduler, self.own_group_options, self.config.optim, announce
+        )
+        self._resume_ema(state.get("ema"), announce)
+        self.best.load_state_dict(state.get("best"), announce)
+        self.skips.skipped = state.get("skipped_steps", 0)
+        if "task" in state:  # checkpoints of contract version 1 hold no task state
+            self.task.load_state_dict(state["task"])
+        self.step = state["step"]
+        if loaded.rank_state is not None:
+            rng.restore(loaded.rank_state["rng"], self.device)
+            self.window.load_state_dict(_window_state(loaded.rank_state, self.accumulation_steps))
+        else:
+            announce_world_size_change(loaded.world_size, self.env.world_size, announce)
+            self._seed_rank_streams()
+        if announce:
+            for path in loaded.skipped:  # out of reach of this run's saves and pruning
+                log.warning(
+                    "moved %s, of another format, to %s",
+                    path.name,
+                    set_aside(path, INCOMPATIBLE_SUFFIX).name,
+                )
+            warning = room_warning(self.run_dir, self.config.checkpoint.keep_last)
+            if warning:
+                log.warning("%s", warning)
+        self.metrics.truncate_after(self.step)
+        if self.config.init.weights and announce:
+            log.info("init.weights is not used: the run continues from its own checkpoint")
+        log.info("resumed from %s at step %d", loaded.path, self.step)
+        return True
+
+    def _start_over(self, incompatible: list[Path]) -> None:
+        """A new run at step 0 where no checkpoint can be used (checkpoint.start_over_if_unusable):
+        the old run's metrics and checkpoints of another format are kept aside, not lost."""
+        if not self.env.is_main:
+            return
+        for path in incompatible:
+            set_aside(path, INCOMPATIBLE_SUFFIX)
+        kept = self.metrics.set_aside(f"before-start-over-{time.strftime('%Y%m%dT%H%M%S')}")
+        log.warning(
+            "no checkpoint can be used; starting a new run at step 0 "
+            "(checkpoint.start_over_if_unusable=true)%s",
+            f"; the old run's metrics are in {kept.name}" if kept else "",
+        )
+
+    def start_fresh(self) -> None:
+        """Begin at step 0: forget records of a run that died before its first checkpoint, and
+        load init.weights when set (fine-tuning: the optimizer and schedule start afresh)."""
+        self.metrics.truncate_after(0)
+        if self.config.init.weights:
+            source = load_initial_weights(self.model, self.config.init.weights)
+            if self.env.is_main:
+                log.info("initialised the model with the %s", source)
+
+    def _resume_ema(self, saved: dict[str, Any] | None, announce: bool) -> None:
+        if self.ema is not None and saved is not None:
+            self.ema.load_state_dict(saved)
+        elif self.ema is not None and announce:
+            log.info("ema.decay is on from now: the average starts from the resumed weights")
+        elif saved is not None and announce:
+            log.info("ema.decay=0: the checkpoint's moving average is dropped")
+
+    def _seed_rank_streams(self) -> None:
+        """This rank's own random streams (dropout, augmentation), from the seed, rank and step."""
+        rng.seed_all(self.config.run.seed + self.env.rank + self.step * 1_000_003)
+
+    def export(self) -> None:
+        """Rank 0 writes the weights (and their moving average) as safetensors with the config,
+        for `weights.load_model` and other programs."""
+        if not self.env.is_main:
+            return
+        config_yaml = to_yaml(self.config)
+        path = export_weights(self.model, self.local_dir, config_yaml)
+        if self.ema is not None:
+            export_weights(self.ema.module, self.local_dir, config_yaml, name="model_ema")
+        log.info("exported the weights to %s", path.parent)
+
+
+def best_evaluation(records: list[dict[str, Any]], best: BestConfig) -> str:
+    """The summary's word on evaluation: the best value of `best.metric`, or of eval/loss
+    (lowest) when it is not set; a task whose metrics hold no loss is told how to name one."""
+    metric = best.metric or "eval/loss"
+    sign = -1 if best.metric and best.mode == "max" else 1
+    found = [(sign * record[metric], record["step"]) for record in records if metric in record]
+    if found:
+        value, step = min(found)
+        return f"best {metric} {sign * value:.4f} at step {step}"
+    if any(key.startswith("eval") for record in records for key in record):
+        return f"evaluated, without {metric} (best.metric names the metric to report)"
+    return "no evaluation yet"
+
+
+def _window_state(rank_state: dict[str, Any], accumulation_steps: int) -> dict[str, torch.Tensor]:
+    """The logging window of a rank file; those of release 0.4 hold the sum of micro-batch
+    means alone, over window_steps x accumulation_steps micro-batches."""
+    if "window" in rank_state:
+        return rank_state["window"]
+    micro_batches = rank_state["window_steps"] * accumulation_steps
+    return {"loss": rank_state["window_loss"], "count": torch.tensor(float(micro_batches))}

@@ -1,0 +1,224 @@
+"""The Task contract (contract.py) holds for tasks unlike the shipped example (tests/tasks.py):
+what a task may define is used, what it lacks has a default, and a task written for the first
+release still trains and resumes bitwise."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy
+import pytest
+import torch
+from torch.utils.data import IterableDataset
+
+from {{ cookiecutter.package_name }}.checkpointing.resume import ResumeError
+from {{ cookiecutter.package_name }}.config import Config, ConfigError, load_config
+from {{ cookiecutter.package_name }}.contract import adopt
+from {{ cookiecutter.package_name }}.monitoring.metrics import read_metrics
+from {{ cookiecutter.package_name }}.training.trainer import Trainer
+
+from ..helpers import FAST, make_trainer, train_steps
+from ..tasks import FirstReleaseTask, TokenTask
+
+pytestmark = [pytest.mark.own_tasks, pytest.mark.timeout(120)]
+
+
+def _config(run_dir: Path, *extra: str) -> Config:
+    return load_config(
+        None,
+        [
+            *FAST,
+            f"run.dir={run_dir}",
+            "train.global_batch_size=16",
+            "train.micro_batch_size=4",
+            "train.max_steps=8",
+            "train.mixed_precision=none",
+            *extra,
+        ],
+    )
+
+
+def _trainer(run_dir: Path, task_class: type = TokenTask, *extra: str) -> Trainer:
+    config = _config(run_dir, *extra)
+    return make_trainer(config, task=task_class(config.task, config.run.seed))
+
+
+def _state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {name: value.clone() for name, value in trainer.model.state_dict().items()}
+
+
+def _assert_bitwise(left: dict, right: dict) -> None:
+    assert left.keys() == right.keys()
+    for name, value in left.items():
+        assert torch.equal(value, right[name]), name
+
+
+def _straight_and_resumed(tmp_path: Path, task_class: type, *extra: str) -> tuple[Trainer, Trainer]:
+    """8 steps in one go, and 4 steps + checkpoint + a new trainer that resumes and runs 4."""
+    straight = _trainer(tmp_path / "straight", task_class, *extra)
+    assert straight.fit() == 0
+    first = _trainer(tmp_path / "resumed", task_class, *extra, "train.max_steps=4")
+    assert first.fit() == 0
+    numpy.random.rand(7)  # a resumed run must not depend on what the process drew meanwhile
+    torch.rand(7)
+    resumed = _trainer(tmp_path / "resumed", task_class, *extra)
+    assert resumed.resume()
+    assert resumed.fit() == 0
+    return straight, resumed
+
+
+def test_a_task_of_the_first_release_trains_and_resumes_bitwise(tmp_path: Path) -> None:
+    """No base class, none of the members added since 0.1: defaults fill in, and its NumPy
+    augmentation continues exactly where the checkpoint left it."""
+    straight, resumed = _straight_and_resumed(tmp_path, FirstReleaseTask)
+    _assert_bitwise(_state(straight), _state(resumed))
+    assert straight.unit == "samples" and straight.flops_per_step is None
+
+
+def test_a_task_missing_a_required_method_is_refused_by_name() -> None:
+    class NoLoss:
+        def build_model(self) -> None: ...
+        def build_datasets(self) -> None: ...
+        def evaluation_sums(self) -> None: ...
+
+    with pytest.raises(TypeError, match="NoLoss does not define training_loss"):
+        adopt(NoLoss())
+
+
+class _Stream(IterableDataset):
+    """A data set read as a stream, as Hugging Face's streaming data sets are."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        yield from torch.zeros(4, 2)
+
+
+def test_a_streamed_data_set_is_refused_with_what_to_do_instead(tmp_path: Path) -> None:
+    class Streaming(TokenTask):
+        def build_datasets(self) -> tuple:
+            return _Stream(), super().build_datasets()[1]
+
+    with pytest.raises(
+        TypeError, match=r"a training set that cannot be indexed \(_Stream"
+    ) as error:
+        _trainer(tmp_path, Streaming)
+    assert "load_dataset without streaming=True" in str(error.value)
+
+
+def test_two_fresh_launches_draw_the_same_numpy_augmentation(tmp_path: Path) -> None:
+    """run.seed seeds NumPy's global generator too, per rank, in the training process."""
+    runs = []
+    for name in ("first", "second"):
+        numpy.random.seed(None)  # whatever state an earlier import or test left
+        trainer = _trainer(tmp_path / name, FirstReleaseTask)
+        runs.append(train_steps(trainer, 3))
+    _assert_bitwise(*runs)
+
+
+def test_padded_dict_batches_collate_and_train_and_resume_bitwise(tmp_path: Path) -> None:
+    """Dict batches padded by the task's collate, a (sum, count) loss, parameter groups, tied
+    weights, and the task's own state: all bitwise after a resume."""
+    straight, resumed = _straight_and_resumed(tmp_path, TokenTask)
+    _assert_bitwise(_state(straight), _state(resumed))
+    assert resumed.task.batches_seen == straight.task.batches_seen == 8 * 4
+    optimizer, again = straight.optimizer.state_dict(), resumed.optimizer.state_dict()
+    for index, state in optimizer["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, again["state"][index][key]), (index, key)
+
+
+def test_the_log_reports_the_token_mean_loss_its_components_and_real_tokens(
+    tmp_path: Path,
+) -> None:
+    seen: list[dict] = []
+
+    class Recorded(TokenTask):
+        def training_loss(self, model: torch.nn.Module, batch: dict) -> dict:
+            result = super().training_loss(model, batch)
+            seen.append({key: float(value.detach()) for key, value in result.items()})
+            return result
+
+    trainer = _trainer(tmp_path, Recorded, "train.log_every=8")
+    trainer.fit()
+    record = next(r for r in read_metrics(tmp_path) if "train/loss" in r)
+    tokens = sum(item["count"] for item in seen)
+    assert len(seen) == 8 * 4
+    assert record["train/loss"] == pytest.approx(sum(item["loss"] for item in seen) / tokens)
+    assert record["train/z_loss"] == pytest.approx(sum(item["z_loss"] for item in seen) / tokens)
+    assert trainer.total_units == tokens  # real tokens, not padded positions
+
+
+def test_metrics_with_their_own_counts_and_derived_metrics_are_reported(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, TokenTask)
+    metrics = trainer.evaluate()
+    assert set(metrics) == {"loss", "accuracy", "f1"}
+    sums = {"loss": 0.0, "correct": 0.0, "tokens": 0.0, "tp": 0.0, "fp": 0.0, "fn": 0.0}
+    for batch in trainer.eval_loader:
+        with torch.no_grad():
+            entries = trainer.task.evaluation_sums(trainer.model, batch)
+        sums["loss"] += float(entries["loss"][0])
+        sums["tokens"] += float(entries["loss"][1])
+        sums["correct"] += float(entries["accuracy"][0])
+        sums["tp"] += float(entries["true_positives"])
+        sums["fp"] += float(entries["false_positives"])
+        sums["fn"] += float(entries["false_negatives"])
+    assert metrics["loss"] == pytest.approx(sums["loss"] / sums["tokens"], rel=1e-12)
+    assert metrics["accuracy"] == pytest.approx(sums["correct"] / sums["tokens"], rel=1e-12)
+    f1 = 2 * sums["tp"] / max(2 * sums["tp"] + sums["fp"] + sums["fn"], 1)
+    assert metrics["f1"] == pytest.approx(f1, rel=1e-12)
+
+
+def test_a_group_keeps_its_own_weight_decay_when_optim_weight_decay_changes_on_resume(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = _trainer(tmp_path, TokenTask, "train.max_steps=4", "optim.weight_decay=0.1")
+    first.fit()
+    with caplog.at_level(logging.INFO):
+        resumed = _trainer(tmp_path, TokenTask, "optim.weight_decay=0.05")
+        resumed.resume()
+    decays = {group["name"]: group["weight_decay"] for group in resumed.optimizer.param_groups}
+    assert decays == {"matrices": 0.05, "embeddings_biases_norms": 0.0}
+    assert "optimizer group matrices (1 tensors): weight_decay 0.1 -> 0.05" in caplog.text
+    assert "embeddings_biases_norms" not in caplog.text
+
+
+def test_a_longer_run_keeps_every_groups_own_settings(tmp_path: Path) -> None:
+    """What `make demo` does (train.max_steps 4 -> 8): no group's options are rewritten."""
+    _trainer(tmp_path, TokenTask, "train.max_steps=4").fit()
+    resumed = _trainer(tmp_path, TokenTask, "train.max_steps=8")
+    resumed.resume()
+    decays = [group["weight_decay"] for group in resumed.optimizer.param_groups]
+    assert decays == [0.01, 0.0]
+
+
+def test_other_parameter_groups_than_the_checkpoints_are_refused_with_the_fix(
+    tmp_path: Path,
+) -> None:
+    _trainer(tmp_path, TokenTask, "train.max_steps=4").fit()
+
+    class OneGroup(TokenTask):
+        def param_groups(self, model: torch.nn.Module) -> list[dict]:
+            return [{"params": list(model.parameters())}]
+
+    with pytest.raises(ResumeError, match=r"parameter groups of \[1, 4\] tensors.*\[5\]"):
+        _trainer(tmp_path, OneGroup).resume()
+
+
+def test_a_trainable_parameter_left_out_of_every_group_is_named(tmp_path: Path) -> None:
+    class Forgetful(TokenTask):
+        def param_groups(self, model: torch.nn.Module) -> list[dict]:
+            return [{"params": [model.hidden.weight]}]
+
+    with pytest.raises(ConfigError, match=r"leaves out 4 trainable parameter.*hidden.bias"):
+        _trainer(tmp_path, Forgetful)
+
+
+def test_mixing_mean_and_summed_losses_in_one_run_is_refused(tmp_path: Path) -> None:
+    class Fickle(TokenTask):
+        def training_loss(self, model: torch.nn.Module, batch: dict) -> object:
+            result = super().training_loss(model, batch)
+            return result if self.batches_seen % 2 else result["loss"] / result["count"]
+
+    with pytest.raises(TypeError, match="a count for some micro-batches and not for others"):
+        train_steps(_trainer(tmp_path, Fickle), 1)

@@ -1,0 +1,93 @@
+"""Mixed precision: loss scaling, clipping on true gradients, and skipped steps on every rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from {{ cookiecutter.package_name }}.config import load_config
+from {{ cookiecutter.package_name }}.task import Task
+
+from ..helpers import FAST, env_for, make_trainer, spawn
+
+
+def _first_step_grad_norm(run_dir: Path, precision: str) -> float:
+    config = load_config(
+        None,
+        [*FAST, f"run.dir={run_dir}", f"train.mixed_precision={precision}", "optim.grad_clip=1e9"],
+    )
+    trainer = make_trainer(config)
+    trainer.sampler.set_epoch(0)
+    grad_norm = trainer.train_step(iter(trainer.train_loader))
+    return grad_norm.item()
+
+
+def test_fp16_clips_the_unscaled_gradients(tmp_path: Path) -> None:
+    """The norm that clipping sees under fp16 is the true one, not the one times the loss scale."""
+    fp16 = _first_step_grad_norm(tmp_path / "fp16", "fp16")
+    fp32 = _first_step_grad_norm(tmp_path / "fp32", "none")
+    assert fp16 == pytest.approx(fp32, rel=0.05)
+
+
+class InfOnRankOne(Task):
+    """Rank 1's loss becomes inf during the second optimizer step."""
+
+    def __init__(self, *args: object, rank: int, poisoned_call: int, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.rank = rank
+        self.poisoned_call = poisoned_call
+        self.calls = 0
+
+    def training_loss(self, model: torch.nn.Module, batch: object) -> object:
+        self.calls += 1
+        loss = super().training_loss(model, batch)
+        if self.rank == 1 and self.calls == self.poisoned_call:
+            return times_inf(loss)
+        return loss
+
+
+def times_inf(loss: object) -> object:
+    """The loss times inf, in whichever form the task returns it (a mean, a pair, a dict)."""
+    if isinstance(loss, tuple):
+        return (loss[0] * float("inf"), *loss[1:])
+    if isinstance(loss, dict):
+        return {**loss, "loss": loss["loss"] * float("inf")}
+    return loss * float("inf")
+
+
+def _step_with_inf_on_rank_one(rank: int, world_size: int, run_dir: Path) -> dict:
+    config = load_config(None, [*FAST, f"run.dir={run_dir}", "train.mixed_precision=fp16"])
+    accumulation = config.train.global_batch_size // (world_size * config.train.micro_batch_size)
+    task = InfOnRankOne(
+        config.task, seed=config.run.seed, rank=rank, poisoned_call=accumulation + 1
+    )
+    trainer = make_trainer(config, env_for(rank, world_size), task)
+    trainer.sampler.set_epoch(0)
+    batches = iter(trainer.train_loader)
+    trainer.train_step(batches)
+    before = {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
+    scale_before = trainer.scaler.get_scale()
+    trainer.train_step(batches)
+    return {
+        "before": before,
+        "after": trainer.model.state_dict(),
+        "scales": (scale_before, trainer.scaler.get_scale()),
+        "optimizer_steps": trainer.optimizer.state_dict()["state"][0]["step"].item(),
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_inf_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path: Path) -> None:
+    """All ranks skip the step, halve the scale, and keep identical weights."""
+    results = spawn(2, _step_with_inf_on_rank_one, tmp_path / "run", workdir=tmp_path)
+    for result in results:
+        for name, tensor in result["before"].items():
+            assert torch.equal(tensor, result["after"][name]), name
+        scale_before, scale_after = result["scales"]
+        assert scale_after == scale_before / 2
+        assert result["optimizer_steps"] == 1
+    for name, tensor in results[0]["after"].items():
+        assert torch.equal(tensor, results[1]["after"][name]), name

@@ -1,0 +1,177 @@
+"""Non-finite values never reach a checkpoint: a NaN loss on one rank stops every rank at one
+step with exit status 3, naming the step and the rank (train.on_nonfinite=stop), or the step is
+skipped on every rank alike (train.on_nonfinite=skip)."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from {{ cookiecutter.package_name }}.checkpointing.checkpoint import complete_checkpoints
+from {{ cookiecutter.package_name }}.config import load_config
+from {{ cookiecutter.package_name }}.monitoring.metrics import read_metrics
+from {{ cookiecutter.package_name }}.training.divergence import DivergenceError
+from {{ cookiecutter.package_name }}.training.trainer import Trainer
+
+from ..helpers import FAST, env_for, make_trainer, run_torchrun, spawn, write_fault_entry
+
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
+
+
+def poison_the_next_micro_batch(losses):  # unannotated: a fault entry runs its source too
+    """The next micro-batch's loss (the task's, and what is backpropagated) becomes NaN."""
+    add = losses.add
+
+    def poisoned(result, last):
+        del losses.add  # once
+        scaled = add(result, last)
+        losses.losses[-1].value = losses.losses[-1].value * float("nan")
+        return scaled * float("nan")
+
+    losses.add = poisoned
+
+
+#: The first micro-batch of step 10 on rank 1 gives a NaN loss, once.
+NAN_ON_RANK_1_AT_STEP_10 = f"""
+{inspect.getsource(poison_the_next_micro_batch)}
+train_step = Trainer.train_step
+
+
+def nan_once_on_rank_1(self, batches):
+    if self.env.rank == 1 and self.step + 1 == 10 and not getattr(self, "poisoned", False):
+        self.poisoned = True
+        poison_the_next_micro_batch(self.step_loss)
+    return train_step(self, batches)
+
+
+Trainer.train_step = nan_once_on_rank_1
+"""
+
+
+def _all_finite(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return not value.is_floating_point() or bool(value.isfinite().all())
+    if isinstance(value, dict):
+        return all(_all_finite(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_all_finite(item) for item in value)
+    return True
+
+
+def _checkpoints_are_finite(run_dir: Path) -> bool:
+    paths = complete_checkpoints(run_dir)
+    states = [torch.load(path / "state.pt", weights_only=True) for path in paths]
+    return all(_all_finite({key: state[key] for key in ("model", "optimizer")}) for state in states)
+
+
+@pytest.mark.distributed
+def test_a_nan_loss_on_one_rank_stops_every_rank_before_any_checkpoint_holds_it(
+    tmp_path: Path,
+) -> None:
+    """Logged every 50 steps, the NaN of step 10 is found by the check before the save at step
+    12: checkpoints 4 and 8 stay, 12 is never written, and pruning kept the finite ones."""
+    run_dir = tmp_path / "run"
+    overrides = [
+        *FAST,
+        f"run.dir={run_dir}",
+        "train.max_steps=20",
+        "train.log_every=50",
+        "train.eval_every=50",
+        "checkpoint.keep_last=2",
+    ]
+    entry = write_fault_entry(tmp_path, NAN_ON_RANK_1_AT_STEP_10)
+    result = run_torchrun(2, overrides, entry=entry)
+    assert result.returncode != 0
+    assert len(re.findall(r"exitcode\s*:\s*3\b", result.stderr)) >= 1, result.stderr[-4000:]
+    assert "the loss was not finite at step 10 on rank(s) 1" in result.stderr
+    assert [path.name for path in complete_checkpoints(run_dir)] == [
+        "step_00000004",
+        "step_00000008",
+    ]
+    assert _checkpoints_are_finite(run_dir)
+    assert "training complete" not in result.stderr
+
+
+def test_a_learning_rate_that_blows_up_the_weights_stops_the_run_at_a_log_line(
+    tmp_path: Path,
+) -> None:
+    config = load_config(None, [*FAST, f"run.dir={tmp_path}", "train.max_steps=40", "optim.lr=1e6"])
+    trainer = make_trainer(config)
+    with pytest.raises(DivergenceError, match=r"training diverged: .* at step \d+"):
+        trainer.fit()
+    assert trainer.step < 40 and trainer.step % config.train.log_every == 0
+    assert _checkpoints_are_finite(tmp_path)
+
+
+class _NanOnRankOne(Trainer):
+    """Rank 1's first micro-batch of step 3 gives a NaN loss."""
+
+    def train_step(self, batches: Iterator[Any]) -> torch.Tensor | None:
+        if self.env.rank == 1 and self.step + 1 == 3 and not getattr(self, "poisoned", False):
+            self.poisoned = True
+            poison_the_next_micro_batch(self.step_loss)
+        return super().train_step(batches)
+
+
+def _skip_nan_step(rank: int, world_size: int, run_dir: Path, limit: int) -> dict[str, Any]:
+    config = load_config(
+        None,
+        [
+            *FAST,
+            f"run.dir={run_dir}",
+            "train.max_steps=6",
+            "train.on_nonfinite=skip",
+            f"train.max_skipped_steps={limit}",
+        ],
+    )
+    trainer = make_trainer(config, env_for(rank, world_size))
+    trainer.__class__ = _NanOnRankOne
+    try:
+        status = trainer.fit()
+    except DivergenceError as error:
+        status = str(error)
+    weights = torch.cat([param.detach().flatten() for param in trainer.model.parameters()])
+    return {"status": status, "weights": weights, "skipped": trainer.skips.skipped}
+
+
+def _skip_within_and_past_the_limit(rank: int, world_size: int, workdir: Path) -> list[dict]:
+    return [_skip_nan_step(rank, world_size, workdir / f"limit_{limit}", limit) for limit in (1, 0)]
+
+
+@pytest.fixture(scope="module")
+def skipping(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[dict]]]:
+    """One 2-rank launch: a run that may skip one step, then one that may skip none."""
+    workdir = tmp_path_factory.mktemp("skip")
+    return workdir, spawn(2, _skip_within_and_past_the_limit, workdir, workdir=workdir)
+
+
+@pytest.mark.distributed
+def test_the_skip_policy_skips_a_nan_step_on_every_rank_alike(
+    skipping: tuple[Path, list[list[dict]]],
+) -> None:
+    workdir, ranks = skipping
+    within = [runs[0] for runs in ranks]
+    assert [rank["status"] for rank in within] == [0, 0]
+    assert [rank["skipped"] for rank in within] == [1, 1]
+    assert torch.equal(within[0]["weights"], within[1]["weights"])
+    assert bool(within[0]["weights"].isfinite().all())
+    losses = [r["train/loss"] for r in read_metrics(workdir / "limit_1") if "train/loss" in r]
+    assert losses and all(map(torch.isfinite, torch.tensor(losses)))
+    assert _checkpoints_are_finite(workdir / "limit_1")
+
+
+@pytest.mark.distributed
+def test_the_skip_policy_stops_every_rank_past_its_limit(
+    skipping: tuple[Path, list[list[dict]]],
+) -> None:
+    workdir, ranks = skipping
+    for runs in ranks:
+        assert "step 3: the gradient norm is nan; the step is skipped" in runs[1]["status"]
+        assert "too many" in runs[1]["status"]
+    assert _checkpoints_are_finite(workdir / "limit_0")
