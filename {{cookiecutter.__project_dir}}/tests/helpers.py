@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import Dataset, Subset
 
+import {{ cookiecutter.package_name }}
 from {{ cookiecutter.package_name }}.cluster.distributed import (
     DistEnv,
     destroy_process_groups,
@@ -178,6 +179,38 @@ def _spawned(
         dist.barrier()
     finally:
         destroy_process_groups()
+
+
+#: Run in a fresh process: `load_model(argv[1])`, its weights saved to loaded.pt.
+_LOAD_MODEL = """
+import sys
+
+import torch
+
+from {{ cookiecutter.package_name }} import load_model
+
+torch.save(load_model(sys.argv[1]).state_dict(), "loaded.pt")
+"""
+
+
+def load_in_fresh_process(path: Path, cwd: Path) -> dict[str, torch.Tensor]:
+    """The weights of `load_model(path)` in a new Python process whose working directory is
+    `cwd`: nothing the test imported, built or cached is there, as on a machine that only
+    serves the model. The package is found by its absolute path, however the tests found it."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    package_root = Path({{ cookiecutter.package_name }}.__file__).resolve().parents[1]
+    search_path = [str(package_root), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(search_path)}
+    result = subprocess.run(
+        [sys.executable, "-c", _LOAD_MODEL, str(path)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    return torch.load(cwd / "loaded.pt", weights_only=True)
 
 
 def env_for(rank: int, world_size: int) -> DistEnv:

@@ -7,10 +7,12 @@ They ignore the project's TaskConfig, so these tests hold whatever task.py the p
   an F1 derived from the totals, and state of its own in checkpoints.
 - `FirstReleaseTask`: written against the first release's interface: no base class, a mean
   loss, `metric_names`, and none of the members added since.
+- `VocabularyTask`: a model sized by a file of its data, which it gives the export.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy
@@ -140,6 +142,33 @@ class TokenTask(TaskBase):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.batches_seen = state["batches_seen"]
+
+
+class VocabularyTask(TokenTask):
+    """An embedding with a row per line of a vocabulary file of the data (`path`), read when
+    first needed, as the gpt example reads its shards' manifest. The export gets the size
+    (`model_settings`) and the file (`export_files`)."""
+
+    #: The data's vocabulary file, one token a line; each test sets its own.
+    path = Path("vocabulary.txt")
+
+    def __init__(self, config: Any, seed: int) -> None:
+        super().__init__(config, seed)
+        self.size: int | None = None
+
+    def build_model(self) -> nn.Module:
+        if self.size is None:
+            self.size = len(self.path.read_text().splitlines())
+        return nn.Embedding(self.size, 4)
+
+    def model_settings(self) -> dict[str, Any]:
+        return {"size": self.size}
+
+    def load_model_settings(self, settings: dict[str, Any]) -> None:
+        self.size = settings["size"]
+
+    def export_files(self) -> dict[str, Path]:
+        return {"vocabulary.txt": self.path}
 
 
 class FirstReleaseTask:

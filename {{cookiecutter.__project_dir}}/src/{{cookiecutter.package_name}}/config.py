@@ -497,6 +497,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return from_dict(values)
 
 
+def read_run_config(path: str | Path) -> Config:
+    """The settings a run wrote (an export's config.yaml), type-checked but not validated.
+
+    For rebuilding the run's model elsewhere. `validate` checks that training can start here:
+    task.data_dir holds a manifest, init.weights exists, an object store's package is
+    installed. A machine that only loads the model may hold none of that, and the run passed
+    those checks when it wrote the file.
+    """
+    return _build(Config(), _read_yaml(Path(path)), prefix="")
+
+
 def from_dict(values: dict[str, Any]) -> Config:
     """The defaults with `values` (nested as in `Config.to_dict()`) applied, checked, validated."""
     config = _build(Config(), values, prefix="")

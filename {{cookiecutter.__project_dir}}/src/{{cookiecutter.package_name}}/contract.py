@@ -12,13 +12,16 @@ Contract versions (`CONTRACT_VERSION`); a task written for an earlier one keeps 
    `units_per_sample` and `flops_per_sample`, which were required in practice.
 2. Release 0.5: every member but the four methods optional; `training_loss` may return a sum
    and a count or named components; per-metric counts and derived metrics; `param_groups`,
-   `collate`, `units`, `state_dict`/`load_state_dict`, `test_settings` and `whole_batch_loss`.
+   `collate`, `units`, `state_dict`/`load_state_dict`, `test_settings`, `whole_batch_loss`,
+   and what the task gives the export: `model_settings`/`load_model_settings` and
+   `export_files`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -146,6 +149,29 @@ class TaskBase:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned, on resume (after `build_datasets`)."""
 
+    def model_settings(self) -> dict[str, Any]:
+        """What `build_model` takes from the data rather than from the `task.*` settings (a
+        vocabulary size read from token shards), as JSON values; {}: nothing.
+
+        The export records it; `load_model` builds the task from the exported config, hands
+        it this record (`load_model_settings`) and calls `build_model`, on a machine that may
+        hold none of the data.
+        """
+        return {}
+
+    def load_model_settings(self, settings: dict[str, Any]) -> None:
+        """Take what `model_settings` returned, from an export, for `build_model` to use
+        instead of reading the data.
+
+        A task built to load a model gets this call and `build_model`, never `build_datasets`:
+        read the data when first needed, not in `__init__`.
+        """
+
+    def export_files(self) -> dict[str, Path]:
+        """Files the model is used with, copied into the export beside its weights (a
+        tokenizer.json): the name of each there, and its path now; {}: none."""
+        return {}
+
 
 class _Adopted(TaskBase):
     """A task that does not derive from TaskBase: its own members first, then the defaults."""
@@ -168,8 +194,11 @@ class _Adopted(TaskBase):
 def adopt(task: object) -> TaskBase:
     """The task as the trainer uses it, with a default for every optional member it lacks.
 
-    Raises TypeError naming the required methods the task does not define.
+    Raises TypeError naming the required methods the task does not define. A task adopted
+    already is returned as it is.
     """
+    if isinstance(task, _Adopted):
+        return task
     missing = [
         name
         for name in REQUIRED

@@ -45,6 +45,7 @@ import numpy as np
 from .loading.shards import (
     MANIFEST,
     SPLITS,
+    TOKENIZER_FILE,
     Manifest,
     ShardError,
     read_manifest,
@@ -65,7 +66,6 @@ DEFAULT_SHARD_TOKENS = 100_000_000
 END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[EOS]")
 #: The byte tokenizer's end of a file: NUL, which text files do not contain.
 BYTE_END_OF_TEXT = 0
-TOKENIZER_FILE = "tokenizer.json"
 
 
 @dataclass(frozen=True)

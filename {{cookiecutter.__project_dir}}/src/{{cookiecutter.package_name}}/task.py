@@ -144,6 +144,7 @@ import hashlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -153,7 +154,7 @@ from torch.utils.data import Dataset
 from .config import ConfigError
 from .contract import TaskBase
 from .gpt import GPT
-from .loading.shards import TokenWindows, read_manifest
+from .loading.shards import TOKENIZER_FILE, TokenWindows, read_manifest
 
 
 @dataclass
@@ -327,12 +328,36 @@ class Task(TaskBase):
         self.config = config
         self.seed = seed
         self.units_per_sample = config.block_size
-        self.vocab_size = (
-            read_manifest(config.data_dir).vocab_size if config.data_dir else VOCAB_SIZE
-        )
+        # Read from the shards when first needed, or given by an export: a task built to load
+        # a model reads no data.
+        self._vocab_size: int | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        """Tokens the model knows: the 256 bytes, or the shards' tokenizer's vocabulary."""
+        if self._vocab_size is None:
+            data_dir = self.config.data_dir
+            self._vocab_size = read_manifest(data_dir).vocab_size if data_dir else VOCAB_SIZE
+        return self._vocab_size
 
     def build_model(self) -> nn.Module:
         return GPT(self.config, self.vocab_size)
+
+    def model_settings(self) -> dict[str, Any]:
+        """The vocabulary size, which the shards' manifest gives: the export records it, so
+        that `load_model` rebuilds the model without the shards."""
+        return {"vocab_size": self.vocab_size}
+
+    def load_model_settings(self, settings: dict[str, Any]) -> None:
+        self._vocab_size = int(settings["vocab_size"])
+
+    def export_files(self) -> dict[str, Path]:
+        """The shards' tokenizer.json, which encodes text for the model and decodes what it
+        writes; bytes need none."""
+        data_dir = self.config.data_dir
+        if data_dir and read_manifest(data_dir).tokenizer["kind"] == "hf":
+            return {TOKENIZER_FILE: Path(data_dir) / TOKENIZER_FILE}
+        return {}
 
     def param_groups(self, model: nn.Module) -> list[dict]:
         """Weight decay on the matrices of the linear layers only, not on biases, LayerNorms

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }}.config import ConfigError, load_config
+from {{ cookiecutter.package_name }}.checkpointing.weights import export_weights
+from {{ cookiecutter.package_name }}.config import ConfigError, load_config, to_yaml
 from {{ cookiecutter.package_name }}.loading.shards import read_manifest
 from {{ cookiecutter.package_name }}.prepare import main as prepare
 from {{ cookiecutter.package_name }}.task import VOCAB_SIZE, Task, TaskConfig, generate_text
+from {{ cookiecutter.package_name }}.training.trainer import Trainer
 
-from ..helpers import FAST, env_for, make_trainer, spawn
+from ..helpers import FAST, env_for, load_in_fresh_process, make_trainer, spawn
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,6 +24,32 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def fast_task() -> Task:
     return Task(load_config(None, FAST).task, seed=1234)
+
+
+@pytest.fixture
+def bpe_shards(tmp_path: Path) -> Path:
+    """Shards of a BPE tokenizer of 300 tokens trained on four files, one of them held out."""
+    for name in "abcd":
+        (tmp_path / "texts").mkdir(exist_ok=True)
+        (tmp_path / "texts" / f"{name}.txt").write_bytes(generate_text(8000, seed=ord(name)))
+    options = ["--train-tokenizer=300", "--eval-fraction=0.25", "--workers=1"]
+    assert prepare([str(tmp_path / "texts"), f"--output={tmp_path / 'shards'}", *options]) == 0
+    return tmp_path / "shards"
+
+
+def trained_on(shards: Path | str, run_dir: Path) -> Trainer:
+    """Two steps on the shards, to the end: the export is written."""
+    overrides = [f"task.data_dir={shards}", "task.num_train_samples=0"]
+    overrides += ["task.num_eval_samples=64", "train.max_steps=2", f"run.dir={run_dir}"]
+    trainer = make_trainer(load_config(None, [*FAST, *overrides]))
+    assert trainer.fit() == 0
+    return trainer
+
+
+def assert_weights_of(model: torch.nn.Module, loaded: dict[str, torch.Tensor]) -> None:
+    assert loaded.keys() == model.state_dict().keys()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded[name], tensor), name
 
 
 def test_the_generated_text_depends_on_the_seed_alone() -> None:
@@ -72,23 +101,66 @@ def test_shards_and_a_text_file_together_are_refused_by_name(tmp_path: Path) -> 
 
 
 def test_the_gpt_trains_on_prepared_shards_with_the_vocabulary_of_their_tokenizer(
-    tmp_path: Path,
+    tmp_path: Path, bpe_shards: Path
 ) -> None:
     """A BPE tokenizer of 300 tokens trained on four files, one of them held out."""
-    for name in "abcd":
-        (tmp_path / "texts").mkdir(exist_ok=True)
-        (tmp_path / "texts" / f"{name}.txt").write_bytes(generate_text(8000, seed=ord(name)))
-    options = ["--train-tokenizer=300", "--eval-fraction=0.25", "--workers=1"]
-    assert prepare([str(tmp_path / "texts"), f"--output={tmp_path / 'shards'}", *options]) == 0
-    overrides = [f"task.data_dir={tmp_path / 'shards'}", "task.num_train_samples=0"]
+    overrides = [f"task.data_dir={bpe_shards}", "task.num_train_samples=0"]
     overrides += ["task.num_eval_samples=64", "train.max_steps=6", f"run.dir={tmp_path / 'run'}"]
     trainer = make_trainer(load_config(None, [*FAST, *overrides]))
-    vocab_size = read_manifest(tmp_path / "shards").vocab_size
+    vocab_size = read_manifest(bpe_shards).vocab_size
     assert trainer.model.token_embedding.num_embeddings == vocab_size > VOCAB_SIZE
     before = trainer.evaluate()["loss"]
     trainer.fit()
     assert trainer.step == 6
     assert trainer.evaluate()["loss"] < before
+
+
+def test_a_run_on_shards_loads_from_another_working_directory(
+    tmp_path: Path, bpe_shards: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """task.data_dir=data/shards names the shards from where training ran; load_model(run_dir)
+    from elsewhere, in a fresh process, reads none."""
+    project = tmp_path / "project"
+    shutil.copytree(bpe_shards, project / "data" / "shards")
+    monkeypatch.chdir(project)
+    trainer = trained_on("data/shards", project / "runs" / "bpe")
+
+    loaded = load_in_fresh_process(project / "runs" / "bpe", cwd=tmp_path / "elsewhere")
+
+    assert_weights_of(trainer.model, loaded)
+
+
+def test_a_copy_of_the_export_of_a_run_on_shards_loads_without_the_run_and_the_shards(
+    tmp_path: Path, bpe_shards: Path
+) -> None:
+    """The vocabulary size the shards' manifest gave is in the export."""
+    trainer = trained_on(bpe_shards, tmp_path / "run")
+    copy = shutil.copytree(tmp_path / "run" / "export", tmp_path / "served" / "model")
+    shutil.rmtree(tmp_path / "run")
+    shutil.rmtree(bpe_shards)
+
+    loaded = load_in_fresh_process(copy, cwd=tmp_path / "elsewhere")
+
+    assert_weights_of(trainer.model, loaded)
+
+
+def test_the_export_of_a_run_on_shards_holds_their_tokenizer(
+    tmp_path: Path, bpe_shards: Path
+) -> None:
+    config = load_config(None, [*FAST, f"task.data_dir={bpe_shards}"])
+    task = Task(config.task, seed=0)
+    export_weights(task.build_model(), tmp_path / "run", to_yaml(config), task=task)
+
+    exported = tmp_path / "run" / "export" / "tokenizer.json"
+    assert exported.read_bytes() == (bpe_shards / "tokenizer.json").read_bytes()
+
+
+def test_a_model_of_bytes_exports_no_tokenizer(fast_task: Task, tmp_path: Path) -> None:
+    config = load_config(None, FAST)
+    export_weights(fast_task.build_model(), tmp_path, to_yaml(config), task=fast_task)
+
+    exported = sorted(path.name for path in (tmp_path / "export").iterdir())
+    assert exported == ["config.yaml", "model.safetensors", "model_settings.json"]
 
 
 def test_a_future_byte_does_not_change_the_logits_before_it(fast_task: Task) -> None:

@@ -5,6 +5,7 @@ release still trains and resumes bitwise."""
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,14 +14,20 @@ import pytest
 import torch
 from torch.utils.data import IterableDataset
 
+from {{ cookiecutter.package_name }}.checkpointing import weights
 from {{ cookiecutter.package_name }}.checkpointing.resume import ResumeError
-from {{ cookiecutter.package_name }}.config import Config, ConfigError, load_config
+from {{ cookiecutter.package_name }}.checkpointing.weights import (
+    WeightsError,
+    export_weights,
+    load_model,
+)
+from {{ cookiecutter.package_name }}.config import Config, ConfigError, load_config, to_yaml
 from {{ cookiecutter.package_name }}.contract import adopt
 from {{ cookiecutter.package_name }}.monitoring.metrics import read_metrics
 from {{ cookiecutter.package_name }}.training.trainer import Trainer
 
 from ..helpers import FAST, make_trainer, train_steps
-from ..tasks import FirstReleaseTask, TokenTask
+from ..tasks import FirstReleaseTask, TokenTask, VocabularyTask
 
 pytestmark = [pytest.mark.own_tasks, pytest.mark.timeout(120)]
 
@@ -55,6 +62,15 @@ def _assert_bitwise(left: dict, right: dict) -> None:
         assert torch.equal(value, right[name]), name
 
 
+def _export(task_class: type, run_dir: Path) -> torch.nn.Module:
+    """A model of `task_class`, exported to `run_dir` as the end of training exports it."""
+    config = _config(run_dir)
+    task = task_class(config.task, config.run.seed)
+    model = task.build_model()
+    export_weights(model, run_dir, to_yaml(config), task=task)
+    return model
+
+
 def _straight_and_resumed(tmp_path: Path, task_class: type, *extra: str) -> tuple[Trainer, Trainer]:
     """8 steps in one go, and 4 steps + checkpoint + a new trainer that resumes and runs 4."""
     straight = _trainer(tmp_path / "straight", task_class, *extra)
@@ -75,6 +91,24 @@ def test_a_task_of_the_first_release_trains_and_resumes_bitwise(tmp_path: Path) 
     straight, resumed = _straight_and_resumed(tmp_path, FirstReleaseTask)
     _assert_bitwise(_state(straight), _state(resumed))
     assert straight.unit == "samples" and straight.flops_per_step is None
+
+
+def test_a_task_of_the_first_release_exports_its_weights_and_config_alone(
+    tmp_path: Path,
+) -> None:
+    """No `model_settings`, no `export_files`: the end of training exports what it always did."""
+    assert _trainer(tmp_path, FirstReleaseTask).fit() == 0
+    exported = sorted(path.name for path in (tmp_path / "export").iterdir())
+    assert exported == ["config.yaml", "model.safetensors"]
+
+
+def test_a_task_of_the_first_release_loads_from_its_export(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _export(FirstReleaseTask, tmp_path / "run")
+    monkeypatch.setattr(weights, "Task", FirstReleaseTask)  # what load_model builds
+
+    _assert_bitwise(load_model(tmp_path / "run").state_dict(), model.state_dict())
 
 
 def test_a_task_missing_a_required_method_is_refused_by_name() -> None:
@@ -222,3 +256,40 @@ def test_mixing_mean_and_summed_losses_in_one_run_is_refused(tmp_path: Path) -> 
 
     with pytest.raises(TypeError, match="a count for some micro-batches and not for others"):
         train_steps(_trainer(tmp_path, Fickle), 1)
+
+
+@pytest.fixture
+def vocabulary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A vocabulary file of three tokens in a data directory, read by VocabularyTask."""
+    path = tmp_path / "data" / "vocabulary.txt"
+    path.parent.mkdir()
+    path.write_text("a\nb\nc\n")
+    monkeypatch.setattr(VocabularyTask, "path", path)
+    return path
+
+
+def test_a_model_sized_by_its_data_loads_from_the_export_without_the_data(
+    tmp_path: Path, vocabulary: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The size the task read from its data comes back to it from the export
+    (`model_settings`, `load_model_settings`): building the model reads no data."""
+    model = _export(VocabularyTask, tmp_path / "run")
+    shutil.rmtree(vocabulary.parent)
+    monkeypatch.setattr(weights, "Task", VocabularyTask)  # what load_model builds
+
+    _assert_bitwise(load_model(tmp_path / "run").state_dict(), model.state_dict())
+
+
+def test_the_files_a_task_names_are_exported_beside_the_weights(
+    tmp_path: Path, vocabulary: Path
+) -> None:
+    _export(VocabularyTask, tmp_path / "run")
+    assert (tmp_path / "run" / "export" / "vocabulary.txt").read_text() == "a\nb\nc\n"
+
+
+def test_an_export_file_named_by_a_path_is_refused_by_name(
+    tmp_path: Path, vocabulary: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(VocabularyTask, "export_files", lambda self: {"../v.txt": self.path})
+    with pytest.raises(WeightsError, match=r"names '\.\./v\.txt': give each file a plain"):
+        _export(VocabularyTask, tmp_path / "run")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from {{ cookiecutter.package_name }}.config import Config, load_config, to_yaml
 from {{ cookiecutter.package_name }}.task import Task
 from {{ cookiecutter.package_name }}.train import main
 
-from ..helpers import FAST, make_trainer
+from ..helpers import FAST, load_in_fresh_process, make_trainer
 
 
 class Tied(nn.Module):
@@ -135,6 +136,21 @@ def test_load_model_does_not_need_the_initial_weights_of_the_run(
     pretrained.unlink()
 
     assert_same_weights(load_model(tmp_path / "run"), copy_of(model))
+
+
+def test_a_copy_of_the_export_loads_in_a_fresh_process_elsewhere_without_the_run(
+    fast_config: Config, tmp_path: Path
+) -> None:
+    """The export folder alone rebuilds the trained model: copied away, its run deleted, loaded
+    by a new process in another working directory."""
+    trainer = make_trainer(fast_config)
+    trainer.fit()
+    copy = shutil.copytree(tmp_path / "run" / "export", tmp_path / "served" / "model")
+    shutil.rmtree(tmp_path / "run")
+
+    loaded = load_in_fresh_process(copy, cwd=tmp_path / "elsewhere")
+
+    assert_same_weights(trainer.model, loaded)
 
 
 # --- load_initial_weights: sources ---------------------------------------------------------

@@ -9,8 +9,13 @@ which is what resuming wants and what two other uses do not:
   model fail with a message listing what differs instead of a long traceback.
 - Inference needs the model and nothing else, in a plain Python process without the trainer or
   a process group. At the end of training, `export_weights` writes `<run.dir>/export/` with the
-  weights as safetensors (no pickle: loading cannot run code) and the run's config.yaml, from
-  which `load_model` rebuilds the model.
+  weights as safetensors (no pickle: loading cannot run code), the run's config.yaml, and what
+  the task gives the export (contract.py): what it read from its data to build the model
+  (`model_settings`, e.g. a vocabulary size) and the files the model is used with
+  (`export_files`, e.g. a tokenizer). The folder alone rebuilds the model: `load_model` takes
+  it, or a copy of it, anywhere, without the training data. It reads the config without
+  validating it (validation checks that training can start here, data and all), builds the
+  task, hands it the recorded settings, and lets it build the model.
 
 Tied weights (the GPT example's head shares its matrix with the token embedding) are one tensor
 under two names in `state_dict()`; safetensors stores it once, under one of them, and a name
@@ -19,8 +24,10 @@ missing from the weights counts as present when its tensor is tied to one that i
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -31,7 +38,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.swa_utils import AveragedModel
 
-from ..config import ConfigError, load_config
+from ..config import ConfigError, read_run_config
+from ..contract import TaskBase, adopt
 from ..task import Task
 from .checkpoint import (
     COMPLETE_MARKER,
@@ -43,12 +51,14 @@ from .checkpoint import (
     complete_checkpoints,
     load_checkpoint,
 )
-from .storage import fsync_dir
+from .storage import fsync_dir, storage_of
 
 log = logging.getLogger(__name__)
 
 EXPORT_DIR = "export"
 EXPORT_CONFIG = "config.yaml"
+#: What the task read from its data to build the model (`model_settings()`), as JSON.
+MODEL_SETTINGS = "model_settings.json"
 #: Suffixes read with torch.load (safe unpickler): a state dict, or a dict with a "model" key.
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -95,16 +105,27 @@ def load_initial_weights(model: nn.Module, source: str | Path) -> str:
     return description
 
 
-def export_weights(model: nn.Module, run_dir: Path, config_yaml: str, name: str = "model") -> Path:
-    """Write `<run_dir>/export/<name>.safetensors` and `<run_dir>/export/config.yaml`.
+def export_weights(
+    model: nn.Module,
+    run_dir: Path,
+    config_yaml: str,
+    name: str = "model",
+    task: object | None = None,
+) -> Path:
+    """Write `<run_dir>/export/<name>.safetensors` and `<run_dir>/export/config.yaml`, and with
+    `task` what it gives the export: its `export_files()` and its `model_settings()` (as
+    model_settings.json, when it has any).
 
-    What `load_model` reads: the weights without the training state, and the config that
-    rebuilds the model. Each file is written under a temporary name, synced and renamed, so a
-    crash leaves the previous export or the new one, never half a file. A DDP, EMA or compiled
-    wrapper is looked through: the names are the bare model's. Returns the weights' path.
+    What `load_model` reads: the weights without the training state, the config, and what the
+    task took from its data to build the model, so that the folder alone rebuilds it. Each file
+    is written under a temporary name, synced and renamed, so a crash leaves the previous export
+    or the new one, never half a file. A DDP, EMA or compiled wrapper is looked through: the
+    names are the bare model's. Returns the weights' path.
     """
     export_dir = Path(run_dir) / EXPORT_DIR
     export_dir.mkdir(parents=True, exist_ok=True)
+    if task is not None:
+        _export_task_parts(adopt(task), export_dir)
     target = export_dir / f"{name}{SAFETENSORS_SUFFIX}"
     partial = target.with_name(target.name + ".partial")
     # save_model stores tied tensors once and makes every tensor contiguous (on the CPU).
@@ -118,21 +139,24 @@ def export_weights(model: nn.Module, run_dir: Path, config_yaml: str, name: str 
 
 
 def load_model(run_dir: str | Path, ema: bool = False) -> nn.Module:
-    """The trained model of `run_dir`, from its export, on the CPU and in eval mode.
+    """The trained model of a run, from its export, on the CPU and in eval mode.
 
-    For inference in a plain Python process: no trainer, no process group. The model is built
-    from the exported config.yaml by the task, then the exported weights (the moving average's
-    with `ema=True`) are loaded into it.
+    `run_dir` is a run directory, or an export folder: a run's export/, or a copy of it
+    anywhere. For inference in a plain Python process: no trainer, no process group, no
+    training data, any working directory. The task is built from the exported config.yaml (not
+    validated: its checks are those of training, such as task.data_dir holding shards), takes
+    the settings it recorded from its data (`load_model_settings`), and builds the model; the
+    exported weights (the moving average's with `ema=True`) are loaded into it.
     """
-    export_dir = Path(run_dir) / EXPORT_DIR
+    export_dir = _export_dir(Path(run_dir))
     config_path = export_dir / EXPORT_CONFIG
     weights_path = export_dir / f"model{SAFETENSORS_SUFFIX}"
     if not (config_path.is_file() and weights_path.is_file()):
         raise WeightsError(
-            f"{export_dir} holds no exported model ({weights_path.name} and {config_path.name}). "
-            "The export is written at the end of training: run training to the end, or set "
-            "checkpoint.export=true. To use a checkpoint instead, build the model and call "
-            "load_initial_weights(model, run_dir)."
+            f"{run_dir} holds no exported model: neither it nor its {EXPORT_DIR}/ holds "
+            f"{weights_path.name} and {config_path.name}. The export is written at the end of "
+            "training: run training to the end, or set checkpoint.export=true. To use a "
+            "checkpoint instead, build the model and call load_initial_weights(model, run_dir)."
         )
     if ema:
         weights_path = export_dir / f"model_ema{SAFETENSORS_SUFFIX}"
@@ -142,13 +166,48 @@ def load_model(run_dir: str | Path, ema: bool = False) -> nn.Module:
                 "train with ema.decay > 0 (e.g. 0.999) to export one, or load with ema=False."
             )
     try:
-        # The weights the run started from are not needed to rebuild it, and may be gone.
-        config = load_config(config_path, ["init.weights="])
+        config = read_run_config(config_path)
     except ConfigError as error:
         raise WeightsError(f"cannot rebuild the model from {config_path}: {error}") from error
-    model = Task(config.task, seed=config.run.seed).build_model()
+    task = adopt(Task(config.task, seed=config.run.seed))
+    if (export_dir / MODEL_SETTINGS).is_file():
+        task.load_model_settings(json.loads((export_dir / MODEL_SETTINGS).read_text()))
+    model = task.build_model()
     _load_checked(model, _read_file(weights_path), weights_path)
     return model.eval()
+
+
+def _export_dir(path: Path) -> Path:
+    """The export folder `path` names: itself when it holds exported weights, else the run
+    directory's export/."""
+    return path if (path / f"model{SAFETENSORS_SUFFIX}").is_file() else path / EXPORT_DIR
+
+
+def _export_task_parts(task: TaskBase, export_dir: Path) -> None:
+    """Copy the task's `export_files()` into `export_dir` and record its `model_settings()`."""
+    own = {EXPORT_CONFIG, MODEL_SETTINGS}
+    for name, source in task.export_files().items():
+        if Path(name).name != name or name in own or name.endswith(SAFETENSORS_SUFFIX):
+            raise WeightsError(
+                f"{type(task).__name__}.export_files() names {name!r}: give each file a plain "
+                f"file name, other than {', '.join(sorted(own))} and *{SAFETENSORS_SUFFIX}"
+            )
+        target = export_dir / name
+        try:
+            with open(source, "rb") as data:
+                storage_of(target).write(target, lambda handle: shutil.copyfileobj(data, handle))
+        except OSError as error:
+            raise WeightsError(f"cannot export {source} as {target}: {error}") from error
+    settings = task.model_settings()
+    if settings:
+        try:
+            text = json.dumps(settings, indent=1, sort_keys=True) + "\n"
+        except (TypeError, ValueError) as error:
+            raise WeightsError(
+                f"{type(task).__name__}.model_settings() must hold JSON values (numbers, "
+                f"strings, lists, dicts): {error}"
+            ) from error
+        atomic_write_text(export_dir / MODEL_SETTINGS, text)
 
 
 def _from_run(run_dir: Path) -> tuple[Mapping[str, Any], str]:

@@ -4,6 +4,7 @@ A shard directory holds `manifest.json` and the shard files, e.g. `train_000000.
 little-endian arrays of token ids, uint16 (uint32 for vocabularies over 65,536). The manifest
 names the tokenizer (its kind, the SHA-256 of its tokenizer.json, its vocabulary size), the dtype,
 the shard size, and per split ("train", "eval") each shard's file, token count and SHA-256.
+A Hugging Face tokenizer is kept beside them, as `tokenizer.json`.
 
 Training reads each window with one positioned read (pread) from shard files opened in each
 process that reads (a DataLoader worker opens its own): resident memory does not grow with the
@@ -38,6 +39,7 @@ from ..config import ConfigError
 #: Version of the manifest's layout; a reader refuses any other.
 FORMAT = 1
 MANIFEST = "manifest.json"
+TOKENIZER_FILE = "tokenizer.json"
 SPLITS = ("train", "eval")
 PREPARE = "python -m {{ cookiecutter.package_name }}.prepare"
 

@@ -962,7 +962,7 @@ class Trainer:
         if not self.env.is_main:
             return
         config_yaml = to_yaml(self.config)
-        path = export_weights(self.model, self.local_dir, config_yaml)
+        path = export_weights(self.model, self.local_dir, config_yaml, task=self.task)
         if self.ema is not None:
             export_weights(self.ema.module, self.local_dir, config_yaml, name="model_ema")
         log.info("exported the weights to %s", path.parent)
