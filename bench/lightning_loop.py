@@ -22,9 +22,10 @@ import pytorch_lightning as pl
 import torch
 from ddp_project.cluster.distributed import DistEnv, detect_env
 from ddp_project.config import Config, load_config
+from ddp_project.contract import warmup_cosine
 from ddp_project.loading.data import build_train_loader
 from ddp_project.task import Task
-from ddp_project.training.trainer import batch_split, warmup_cosine
+from ddp_project.training.trainer import batch_split
 from pytorch_lightning.strategies import DDPStrategy
 from torch.optim.lr_scheduler import LambdaLR
 

@@ -15,6 +15,9 @@ steps of the CHANGELOG, the GPT-2's stays in config.py, as in a project that has
   runs.
 - cnn_task.py (NumPy augmentation with the global generator, BatchNorm, tuple batches) runs the
   resume tests: 2 gloo ranks train, crash and resume bitwise, and resume on 1 and 4 ranks.
+- sgd_task.py (an optimizer and a schedule of its own: SGD with Nesterov momentum, group
+  options of SGD's, a step-decay factor per step) runs the gradient tests (2 ranks == 1 rank ==
+  accumulation, float64), the resume tests and the restart tests (ranks killed and restarted).
 - hf_gpt2_task.py (a Hugging Face GPT2LMHeadModel from a tiny GPT2Config, no download) trains,
   crashes and resumes bitwise on 2 ranks, and an epoch's throughput adds up to its real tokens.
 
@@ -41,6 +44,11 @@ USER_TASKS = Path(__file__).parent / "user_tasks"
 #: What the cheaper checks run of the generated suite: 2 gloo ranks train, crash, resume and end
 #: bitwise where an unbroken run ends, and resume on 1 and 4 ranks at the exact sample.
 RESUMES = ["tests/task/test_resume.py"]
+#: torchrun restarts the ranks after one raised and after one was killed (SIGKILL); the run
+#: ends bitwise where an unbroken run ends.
+KILLED_AND_RESTARTED = (
+    "test_a_rank_that_raises_then_one_that_is_killed_are_restarted_and_end_like_an_unbroken_run"
+)
 #: A TaskConfig of before 1.0, as config.py held it: the text from its decorator on.
 OLD_TASK_CONFIG = re.compile(r"^@dataclass\nclass TaskConfig:\n.*", re.S | re.M)
 
@@ -99,6 +107,25 @@ def test_a_cnn_with_numpy_augmentation_and_batchnorm_trains_and_resumes(tmp_path
     )
     project, env, _ = project_with_task("User Cnn Task", task, tmp_path)
     cases = run_project_suite(project, env, *RESUMES)
+    assert "test_weights_are_bitwise_equal_to_an_unbroken_run" in cases
+
+
+def test_a_task_with_sgd_and_a_schedule_of_its_own_trains_alike_on_any_world_size_and_resumes(
+    tmp_path: Path,
+) -> None:
+    """SGD with Nesterov momentum and a step-decay factor per step: 2 ranks, accumulation and 1
+    rank make the same updates in float64; a crashed run, and ranks killed and restarted by
+    torchrun, end bitwise where an unbroken run ends; the momentum buffers and the schedule's
+    step are in the checkpoints."""
+    task = (USER_TASKS / "sgd_task.py").read_text()
+    project, env, _ = project_with_task("User Sgd Task", task, tmp_path)
+    cases = run_project_suite(
+        project,
+        env,
+        "tests/task/test_gradients.py",
+        *RESUMES,
+        f"tests/task/test_restart.py::{KILLED_AND_RESTARTED}",
+    )
     assert "test_weights_are_bitwise_equal_to_an_unbroken_run" in cases
 
 

@@ -63,7 +63,7 @@ from {{ cookiecutter.package_name }}.cluster.distributed import (
     process_group,
 )
 from {{ cookiecutter.package_name }}.config import Config, ConfigError, flatten, load_config
-from {{ cookiecutter.package_name }}.contract import adopt
+from {{ cookiecutter.package_name }}.contract import adopt, warmup_cosine
 from {{ cookiecutter.package_name }}.faults.stopping import StopRequests
 from {{ cookiecutter.package_name }}.loading.data import build_train_loader, loader_workers
 from {{ cookiecutter.package_name }}.monitoring.metrics import MetricsLogger
@@ -75,7 +75,6 @@ from {{ cookiecutter.package_name }}.training.trainer import (
     Trainer,
     batch_split,
     move_to_device,
-    warmup_cosine,
 )
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"

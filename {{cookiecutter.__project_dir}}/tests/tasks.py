@@ -5,6 +5,8 @@ They ignore the project's TaskConfig, so these tests hold whatever task.py the p
   a (sum, count) loss over the real tokens with a logged component, throughput in real tokens,
   two named parameter groups, tied input and output weights, metrics with their own counts and
   an F1 derived from the totals, and state of its own in checkpoints.
+- `SgdTokenTask`: the same with an optimizer and a schedule of its own: SGD with Nesterov
+  momentum (a group option of SGD's) and a cosine schedule over the run's steps.
 - `FirstReleaseTask`: written against the first release's interface: no base class, a mean
   loss, `metric_names`, and none of the members added since.
 - `VocabularyTask`: a model sized by a file of its data, which it gives the export.
@@ -169,6 +171,26 @@ class VocabularyTask(TokenTask):
 
     def export_files(self) -> dict[str, Path]:
         return {"vocabulary.txt": self.path}
+
+
+class SgdTokenTask(TokenTask):
+    """TokenTask trained by SGD with Nesterov momentum (a lower momentum for the embeddings,
+    biases and norms) under a cosine schedule that keeps its shape in its own state."""
+
+    def param_groups(self, model: nn.Module) -> list[dict[str, Any]]:
+        groups = super().param_groups(model)
+        groups[1]["momentum"] = 0.5
+        return groups
+
+    def build_optimizer(
+        self, param_groups: list[dict[str, Any]], optim: Any
+    ) -> torch.optim.Optimizer:
+        return torch.optim.SGD(param_groups, lr=optim.lr, momentum=0.9, nesterov=True)
+
+    def build_scheduler(
+        self, optimizer: torch.optim.Optimizer, total_steps: int, optim: Any
+    ) -> torch.optim.lr_scheduler.LRScheduler:
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
 
 
 class FirstReleaseTask:

@@ -13,20 +13,26 @@ Contract versions (`CONTRACT_VERSION`); a task written for an earlier one keeps 
 2. Release 0.5: every member but the four methods optional; `training_loss` may return a sum
    and a count or named components; per-metric counts and derived metrics; `param_groups`,
    `collate`, `units`, `state_dict`/`load_state_dict`, `test_settings`, `whole_batch_loss`,
-   and what the task gives the export: `model_settings`/`load_model_settings` and
-   `export_files`.
+   what the task gives the export (`model_settings`/`load_model_settings` and
+   `export_files`), and `build_optimizer` and `build_scheduler`: any torch optimizer and
+   schedule (the defaults: AdamW and warmup-cosine, as before).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 from torch.utils.data import Dataset, IterableDataset, default_collate
+
+if TYPE_CHECKING:
+    from .config import OptimConfig
 
 CONTRACT_VERSION = 2
 
@@ -118,13 +124,54 @@ class TaskBase:
         return metrics
 
     def param_groups(self, model: nn.Module) -> list[dict[str, Any]]:
-        """The optimizer's parameter groups: {"params": [...], and any AdamW option}.
+        """The optimizer's parameter groups: {"params": [...], and any option of the optimizer}.
 
         A group's own options (weight_decay=0.0 for biases and norms, a lower lr) win over the
         optim.* settings, also when those change on resume. A "name" key names the group in
         the log. Every parameter that requires a gradient must be in exactly one group.
         """
         return [{"params": list(model.parameters())}]
+
+    def build_optimizer(
+        self, param_groups: list[dict[str, Any]], optim: OptimConfig
+    ) -> torch.optim.Optimizer:
+        """The optimizer over `param_groups` (this task's, in order); the default is AdamW with
+        optim.lr, optim.betas and optim.weight_decay.
+
+        Return any `torch.optim.Optimizer` (SGD with momentum, or one from another library) over
+        these groups, in this order. Its state is saved in every checkpoint and resumes bitwise;
+        a group option it does not take is refused by name. On resume, each group follows the
+        options this method gives it now, where they differ from the checkpoint's.
+        """
+        on_cuda = all(param.is_cuda for group in param_groups for param in group["params"])
+        return torch.optim.AdamW(
+            param_groups,
+            lr=optim.lr,
+            betas=optim.betas,
+            weight_decay=optim.weight_decay,
+            fused=on_cuda,
+        )
+
+    def build_scheduler(
+        self, optimizer: torch.optim.Optimizer, total_steps: int, optim: OptimConfig
+    ) -> LRScheduler:
+        """The learning-rate schedule, stepped once per optimizer step; the default is a linear
+        warmup over optim.warmup_steps, then a cosine decay to optim.min_lr_ratio at the last
+        step.
+
+        A factor per step is `LambdaLR(optimizer, lambda step: ...)`, which a resume re-shapes
+        from the current settings as it does the default. Any other torch LRScheduler resumes
+        from its saved state; a change of its shape at resume is refused by name.
+        """
+        return LambdaLR(
+            optimizer,
+            partial(
+                warmup_cosine,
+                warmup_steps=optim.warmup_steps,
+                total_steps=total_steps,
+                min_lr_ratio=optim.min_lr_ratio,
+            ),
+        )
 
     def collate(self, samples: list[Any]) -> Any:
         """A batch from a list of data set items (pad variable-length items here)."""
@@ -173,6 +220,14 @@ class TaskBase:
         return {}
 
 
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warmup to 1, then cosine decay to `min_lr_ratio` at `total_steps`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 class _Adopted(TaskBase):
     """A task that does not derive from TaskBase: its own members first, then the defaults."""
 
@@ -199,17 +254,21 @@ def adopt(task: object) -> TaskBase:
     """
     if isinstance(task, _Adopted):
         return task
-    missing = [
-        name
-        for name in REQUIRED
-        if getattr(type(task), name, getattr(TaskBase, name)) is getattr(TaskBase, name)
-    ]
+    missing = [name for name in REQUIRED if not defines(task, name)]
     if missing:
         raise TypeError(
             f"{type(task).__name__} does not define {', '.join(missing)}: every task needs "
             f"{', '.join(REQUIRED)} (see contract.py)"
         )
     return task if isinstance(task, TaskBase) else _Adopted(task)
+
+
+def defines(task: object, name: str) -> bool:
+    """Whether the task defines member `name` itself rather than taking TaskBase's default."""
+    if isinstance(task, _Adopted):
+        task = object.__getattribute__(task, "_task")
+    default = getattr(TaskBase, name)
+    return getattr(type(task), name, default) is not default
 
 
 def check_datasets(train: object, evaluation: object) -> None:

@@ -8,6 +8,7 @@ import logging
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy
 import pytest
@@ -27,7 +28,7 @@ from {{ cookiecutter.package_name }}.monitoring.metrics import read_metrics
 from {{ cookiecutter.package_name }}.training.trainer import Trainer
 
 from ..helpers import FAST, make_trainer, train_steps
-from ..tasks import FirstReleaseTask, TokenTask, VocabularyTask
+from ..tasks import FirstReleaseTask, SgdTokenTask, TokenTask, VocabularyTask
 
 pytestmark = [pytest.mark.own_tasks, pytest.mark.timeout(120)]
 
@@ -71,16 +72,31 @@ def _export(task_class: type, run_dir: Path) -> torch.nn.Module:
     return model
 
 
+class _Crash(RuntimeError):
+    pass
+
+
 def _straight_and_resumed(tmp_path: Path, task_class: type, *extra: str) -> tuple[Trainer, Trainer]:
-    """8 steps in one go, and 4 steps + checkpoint + a new trainer that resumes and runs 4."""
+    """8 steps in one go, and a run that crashes after its step-4 checkpoint + a new trainer
+    that resumes there and runs to the end."""
     straight = _trainer(tmp_path / "straight", task_class, *extra)
     assert straight.fit() == 0
-    first = _trainer(tmp_path / "resumed", task_class, *extra, "train.max_steps=4")
-    assert first.fit() == 0
+    first = _trainer(tmp_path / "resumed", task_class, *extra)
+    step = first.train_step
+
+    def crash_after_step_5(batches: Iterator) -> object:
+        if first.step == 5:
+            raise _Crash
+        return step(batches)
+
+    first.train_step = crash_after_step_5
+    with pytest.raises(_Crash):
+        first.fit()
     numpy.random.rand(7)  # a resumed run must not depend on what the process drew meanwhile
     torch.rand(7)
     resumed = _trainer(tmp_path / "resumed", task_class, *extra)
     assert resumed.resume()
+    assert resumed.step == 4
     assert resumed.fit() == 0
     return straight, resumed
 
@@ -237,6 +253,75 @@ def test_other_parameter_groups_than_the_checkpoints_are_refused_with_the_fix(
 
     with pytest.raises(ResumeError, match=r"parameter groups of \[1, 4\] tensors.*\[5\]"):
         _trainer(tmp_path, OneGroup).resume()
+
+
+def test_a_task_s_own_optimizer_and_schedule_train_and_resume_bitwise(tmp_path: Path) -> None:
+    """SGD's momentum buffers and the cosine schedule's state go in the checkpoint."""
+    straight, resumed = _straight_and_resumed(tmp_path, SgdTokenTask)
+    _assert_bitwise(_state(straight), _state(resumed))
+    assert isinstance(resumed.optimizer, torch.optim.SGD)
+    momenta = [group["momentum"] for group in resumed.optimizer.param_groups]
+    assert momenta == [0.9, 0.5]
+    buffers = [state["momentum_buffer"] for state in resumed.optimizer.state.values()]
+    straight_buffers = [state["momentum_buffer"] for state in straight.optimizer.state.values()]
+    assert all(map(torch.equal, buffers, straight_buffers))
+    assert resumed.scheduler.state_dict() == straight.scheduler.state_dict()
+
+
+def test_a_resume_applies_only_the_options_the_optimizer_has(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """optim.betas and optim.weight_decay are AdamW's: an SGD task's groups never get them."""
+    _trainer(tmp_path, SgdTokenTask).fit()
+    with caplog.at_level(logging.INFO):
+        resumed = _trainer(
+            tmp_path, SgdTokenTask, "optim.betas=[0.8,0.9]", "optim.weight_decay=0.2"
+        )
+        resumed.resume()
+    assert all("betas" not in group for group in resumed.optimizer.param_groups)
+    assert [group["weight_decay"] for group in resumed.optimizer.param_groups] == [0, 0.0]
+    assert "tensors):" not in caplog.text  # no optimizer group changed
+    assert "0.01 to 0.2: applied (given to the task's build_optimizer" in caplog.text
+
+
+def test_a_changed_shape_of_the_task_s_own_schedule_is_refused_at_resume(tmp_path: Path) -> None:
+    """CosineAnnealingLR keeps T_max in its state: a longer run would silently keep the old
+    cosine, so the resume names the change instead."""
+    _trainer(tmp_path, SgdTokenTask, "train.max_steps=4").fit()
+    with pytest.raises(ResumeError, match=r"CosineAnnealingLR.*T_max 4 -> 12"):
+        _trainer(tmp_path, SgdTokenTask, "train.max_steps=12").resume()
+
+
+def test_a_group_option_the_optimizer_does_not_take_is_refused_by_name(tmp_path: Path) -> None:
+    class AdamWithMomentum(TokenTask):
+        def param_groups(self, model: torch.nn.Module) -> list[dict]:
+            groups = super().param_groups(model)
+            groups[0]["momentum"] = 0.9
+            return groups
+
+    with pytest.raises(ConfigError, match=r"sets momentum in matrices, which AdamW does not take"):
+        _trainer(tmp_path, AdamWithMomentum)
+
+
+def test_a_schedule_that_needs_a_metric_at_each_step_is_refused_by_name(tmp_path: Path) -> None:
+    class Plateau(TokenTask):
+        def build_scheduler(
+            self, optimizer: torch.optim.Optimizer, total_steps: int, optim: object
+        ) -> object:
+            return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+
+    with pytest.raises(ConfigError, match="build_scheduler returned ReduceLROnPlateau"):
+        _trainer(tmp_path, Plateau)
+
+
+def test_an_optimizer_over_other_groups_than_param_groups_is_refused(tmp_path: Path) -> None:
+    class Regrouped(TokenTask):
+        def build_optimizer(self, param_groups: list[dict], optim: Any) -> torch.optim.Optimizer:
+            params = [param for group in param_groups for param in group["params"]]
+            return torch.optim.SGD(params, lr=optim.lr)
+
+    with pytest.raises(ConfigError, match="over other parameter groups than param_groups made"):
+        _trainer(tmp_path, Regrouped)
 
 
 def test_a_trainable_parameter_left_out_of_every_group_is_named(tmp_path: Path) -> None:

@@ -14,11 +14,11 @@ import {{ cookiecutter.package_name }}.config as config_module
 from {{ cookiecutter.package_name }}.checkpointing.checkpoint import complete_checkpoints
 from {{ cookiecutter.package_name }}.checkpointing.resume import ResumeError
 from {{ cookiecutter.package_name }}.config import Config, load_config
-from {{ cookiecutter.package_name }}.contract import TaskBase
+from {{ cookiecutter.package_name }}.contract import TaskBase, warmup_cosine
 from {{ cookiecutter.package_name }}.monitoring.metrics import METRICS_FILE, read_metrics
 from {{ cookiecutter.package_name }}.task import Task, TaskConfig
 from {{ cookiecutter.package_name }}.train import main
-from {{ cookiecutter.package_name }}.training.trainer import Trainer, warmup_cosine
+from {{ cookiecutter.package_name }}.training.trainer import Trainer
 
 from ..helpers import FAST, make_trainer, train_steps
 

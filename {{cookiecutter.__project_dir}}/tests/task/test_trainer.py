@@ -12,11 +12,12 @@ import pytest
 from torch import nn
 
 from {{ cookiecutter.package_name }}.config import Config, ConfigError, DataConfig, load_config
+from {{ cookiecutter.package_name }}.contract import warmup_cosine
 from {{ cookiecutter.package_name }}.loading.data import usable_cores
 from {{ cookiecutter.package_name }}.monitoring.metrics import read_metrics
 from {{ cookiecutter.package_name }}.task import Task
 from {{ cookiecutter.package_name }}.train import main
-from {{ cookiecutter.package_name }}.training.trainer import batch_split, warmup_cosine
+from {{ cookiecutter.package_name }}.training.trainer import batch_split
 
 from ..helpers import FAST, make_trainer
 

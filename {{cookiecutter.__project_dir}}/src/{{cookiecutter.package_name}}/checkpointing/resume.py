@@ -37,6 +37,12 @@ APPLIED = {
     "last bits",
     "train.mixed_precision": "the loss scaler starts afresh when fp16 is turned on",
 }
+#: What applying a changed optim.* setting means when the task builds its own optimizer or
+#: schedule (contract.py: build_optimizer, build_scheduler).
+OWN_OPTIMIZER_NOTE = (
+    "given to the task's build_optimizer and build_scheduler; each optimizer group that "
+    "changes with it is logged"
+)
 #: Settings that change where, whether or from what a run starts, not the run itself.
 NOT_COMPARED = {
     "run.dir",
@@ -80,8 +86,13 @@ def changed_settings(saved: dict[str, Any], current: dict[str, Any]) -> dict[str
     }
 
 
-def check_changes(changes: dict[str, tuple], path: Path, announce: bool) -> None:
-    """Raise ResumeError for refused changes; otherwise log one line per applied change."""
+def check_changes(
+    changes: dict[str, tuple], path: Path, announce: bool, own_optimizer: bool = False
+) -> None:
+    """Raise ResumeError for refused changes; otherwise log one line per applied change.
+
+    With `own_optimizer` (the task builds its optimizer or schedule), what an optim.* setting
+    does is the task's: the line says so, and the groups that change are logged apart."""
     refused = {key: values for key, values in changes.items() if _refusal(key)}
     if refused:
         details = "; ".join(
@@ -94,6 +105,8 @@ def check_changes(changes: dict[str, tuple], path: Path, announce: bool) -> None
     if announce:
         for key, (old, new) in sorted(changes.items()):
             note = APPLIED.get(key, "used from now on")
+            if own_optimizer and key.startswith("optim.") and key != "optim.grad_clip":
+                note = OWN_OPTIMIZER_NOTE
             log.info("%s changed from %r to %r: applied (%s)", key, old, new, note)
 
 

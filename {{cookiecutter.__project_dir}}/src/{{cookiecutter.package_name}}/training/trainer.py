@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import platform
 import socket
 import time
@@ -23,7 +22,6 @@ from typing import Any
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim.lr_scheduler import LambdaLR
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from .. import __version__
@@ -74,7 +72,7 @@ from ..monitoring.throughput import StepMeter, describe, peak_flops, window_figu
 from . import rng
 from .divergence import DivergenceGuard, SkipPolicy
 from .losses import StepLoss, WindowSums
-from .optimizer import build_optimizer, follow_settings, own_options
+from .optimizer import as_built, build_optimizer, build_scheduler, follow_settings, own_options
 
 log = logging.getLogger(__name__)
 
@@ -102,14 +100,6 @@ def batch_split(global_batch_size: int, max_micro: int, world_size: int) -> tupl
     per_rank = global_batch_size // world_size
     micro = max(size for size in range(1, min(per_rank, max_micro) + 1) if per_rank % size == 0)
     return micro, per_rank // micro
-
-
-def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """LR multiplier: linear warmup to 1, then cosine decay to `min_lr_ratio` at `total_steps`."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
@@ -239,18 +229,12 @@ class Trainer:
         )
 
     def _build_optimization(self, groups: list[dict[str, Any]]) -> None:
-        """AdamW over the task's groups, the schedule, mixed precision and the moving average."""
+        """The task's optimizer over its groups and its schedule (AdamW and warmup-cosine by
+        default), mixed precision and the moving average."""
         optim, train = self.config.optim, self.config.train
-        self.optimizer = build_optimizer(self.model, groups, optim, self.device)
-        self.scheduler = LambdaLR(
-            self.optimizer,
-            partial(
-                warmup_cosine,
-                warmup_steps=optim.warmup_steps,
-                total_steps=self.total_steps,
-                min_lr_ratio=optim.min_lr_ratio,
-            ),
-        )
+        self.optimizer = build_optimizer(self.task, self.model, groups, optim)
+        self.scheduler = build_scheduler(self.task, self.optimizer, self.total_steps, optim)
+        self.as_built = as_built(self.task, self.optimizer, self.scheduler)
         self.autocast_dtype = AUTOCAST_DTYPES[train.mixed_precision]
         # Loss scaling only for fp16: bf16 has fp32's exponent range and needs none.
         self.scaler = torch.amp.GradScaler(
@@ -875,7 +859,8 @@ class Trainer:
             return False
         state, announce = loaded.state, self.env.is_main
         changes = changed_settings(state["config"], self.config.to_dict())
-        check_changes(changes, loaded.path, announce)
+        own = not (self.as_built.default_optimizer and self.as_built.default_schedule)
+        check_changes(changes, loaded.path, announce, own_optimizer=own)
         self.model.load_state_dict(state["model"])
         try:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -891,7 +876,7 @@ class Trainer:
         if state["scaler"]:  # empty when saved without fp16 loss scaling
             self.scaler.load_state_dict(state["scaler"])
         follow_settings(
-            self.optimizer, self.scheduler, self.own_group_options, self.config.optim, announce
+            self.optimizer, self.scheduler, self.as_built, self.own_group_options, announce
         )
         self._resume_ema(state.get("ema"), announce)
         self.best.load_state_dict(state.get("best"), announce)
