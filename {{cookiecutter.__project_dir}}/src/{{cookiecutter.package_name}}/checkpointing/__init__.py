@@ -1,2 +1,3 @@
-"""A run's state on disk or in an object store: atomic verified checkpoints, the run's
-lock, saves in the background, the best checkpoint, resume checks and exported weights."""
+"""A run's state on disk or in an object store: the Checkpointer the trainer calls to save,
+resume and export, atomic verified checkpoints, the run's lock, saves in the background, the
+best checkpoint, resume checks and exported weights."""

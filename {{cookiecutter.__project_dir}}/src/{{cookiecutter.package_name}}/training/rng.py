@@ -1,9 +1,9 @@
 """Every random stream a task may draw from: Python's, NumPy's, torch's (CPU and CUDA).
 
-The trainer seeds them per rank, saves them in each rank's checkpoint file and restores them on
-resume, so that dropout and augmentation continue exactly where they stopped; DataLoader workers
-seed them per sample (data.py). NumPy's is included whenever NumPy is installed, since a task
-may import it at any time.
+The trainer seeds them per rank; the checkpointer saves them in each rank's checkpoint file
+and restores them on resume, so that dropout and augmentation continue exactly where they
+stopped; DataLoader workers seed them per sample (data.py). NumPy's is included whenever NumPy
+is installed, since a task may import it at any time.
 """
 
 from __future__ import annotations
@@ -25,6 +25,12 @@ def seed_all(seed: int) -> None:
     if numpy is not None:
         numpy.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def seed_rank(seed: int, rank: int, step: int) -> None:
+    """This rank's own streams (dropout, augmentation), from the run's seed, the rank and the
+    step: at the start of a run, and on resuming on another number of ranks."""
+    seed_all(seed + rank + step * 1_000_003)
 
 
 def capture(device: torch.device) -> dict[str, Any]:

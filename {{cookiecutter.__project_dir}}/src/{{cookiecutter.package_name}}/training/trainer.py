@@ -1,21 +1,19 @@
 """The training loop: accumulation under `no_sync`, mixed precision, clipping, scheduling,
-exact evaluation, checkpoints and resume.
+exact evaluation, and when to checkpoint.
 
 The task (task.py) supplies data, model, loss and metrics, through the contract of contract.py;
 this module owns how a step runs. One optimizer step consumes `accumulation_steps` micro-batches
-on every rank; gradients are all-reduced once, on the last of them.
+on every rank; gradients are all-reduced once, on the last of them. Saving, resuming and the
+export are the Checkpointer's (checkpointing/checkpointer.py), one call each.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
-import platform
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,31 +22,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from .. import __version__
-from ..checkpointing.background_save import BackgroundSaver, CompletedSave
+from ..checkpointing.background_save import BackgroundSaver
 from ..checkpointing.best import BestCheckpoint
-from ..checkpointing.checkpoint import (
-    INCOMPATIBLE_SUFFIX,
-    CheckpointReadError,
-    CheckpointSaveError,
-    NoUsableCheckpointError,
-    checkpoint_root,
-    latest_checkpoint,
-    load_newest_intact,
-    new_job_token,
-    room_warning,
-    save_checkpoint,
-    save_timeout_s,
-    set_aside,
-)
-from ..checkpointing.resume import (
-    ResumeError,
-    announce_world_size_change,
-    changed_settings,
-    check_changes,
-)
+from ..checkpointing.checkpoint import checkpoint_root, latest_checkpoint, new_job_token
+from ..checkpointing.checkpointer import Checkpointer, TrainingState
 from ..checkpointing.storage import Location, local_dir_of
-from ..checkpointing.weights import export_weights, load_initial_weights
 from ..cluster.agreement import agree_on_data, roster
 from ..cluster.distributed import (
     DistEnv,
@@ -61,7 +39,7 @@ from ..cluster.distributed import (
     unused_parameters_hint,
     wrap_ddp,
 )
-from ..config import BestConfig, Config, ConfigError, to_yaml
+from ..config import BestConfig, Config, ConfigError
 from ..contract import TaskBase, adopt, check_datasets
 from ..faults.stopping import StopRequests
 from ..loading.data import build_eval_loader, build_train_loader, loader_workers, usable_cores
@@ -72,7 +50,7 @@ from ..monitoring.throughput import StepMeter, describe, peak_flops, window_figu
 from . import rng
 from .divergence import DivergenceGuard, SkipPolicy
 from .losses import StepLoss, WindowSums
-from .optimizer import as_built, build_optimizer, build_scheduler, follow_settings, own_options
+from .optimizer import as_built, build_optimizer, build_scheduler, own_options
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +119,10 @@ class Trainer:
         checkpoint = config.checkpoint
         self.stop = stop or StopRequests(checkpoint.stop_on_signals, checkpoint.stop_check_s)
         self.step = 0
+        # Two collectives at the same point of every rank's start, for the Checkpointer (built
+        # last, over the objects it saves).
         #: This job's name (rank 0's, on every rank): it names the staging of its saves.
         self.job: str = gather_objects(new_job_token())[0]
-        #: Seconds the previous save of this launch took: it bounds the waits of the next.
-        self.last_save_s: float | None = None
         #: checkpoint.async: the writer of scheduled saves, with its own gloo group (a
         #: collective: every rank builds its Trainer at the same point).
         self.background: BackgroundSaver | None = None
@@ -157,6 +135,7 @@ class Trainer:
         self._build_data()
         self._build_optimization(groups)
         self._build_accounting()
+        self.checkpointer = self._build_checkpointer()
 
     def _build_model(self) -> list[dict[str, Any]]:
         """The task's model on the device, the same on every rank, wrapped in DDP (and
@@ -181,7 +160,7 @@ class Trainer:
         if config.train.compile:
             self.ddp_model = torch.compile(self.ddp_model)
         # From here on each rank draws its own random numbers (dropout, augmentation).
-        self._seed_rank_streams()
+        rng.seed_rank(config.run.seed, self.env.rank, self.step)
         return groups
 
     def _build_data(self) -> None:
@@ -272,6 +251,37 @@ class Trainer:
         if precision == "none":
             precision = "tf32" if train.tf32 and device.type == "cuda" else "fp32"
         self.peak_flops = peak_flops(device, precision, train.peak_tflops)
+
+    def _build_checkpointer(self) -> Checkpointer:
+        """The saves, the resume and the export, over the objects a checkpoint holds."""
+        state = TrainingState(
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            scaler=self.scaler,
+            ema=self.ema,
+            task=self.task,
+            sampler=self.sampler,
+            best=self.best,
+            skips=self.skips,
+            window=self.window,
+            own_group_options=self.own_group_options,
+            as_built=self.as_built,
+            steps_per_epoch=self.steps_per_epoch,
+            accumulation_steps=self.accumulation_steps,
+        )
+        return Checkpointer(
+            self.config,
+            self.env,
+            self.device,
+            self.run_dir,
+            state,
+            metrics=self.metrics,
+            meter=self.meter,
+            stop=self.stop,
+            job=self.job,
+            background=self.background,
+        )
 
     def _loader_workers(self) -> int:
         """data.num_workers, resolved for the ranks of this host; `auto` says so in one line,
@@ -444,7 +454,7 @@ class Trainer:
             try:
                 status = self._train_loop(progress, profiler)
             except Exception:
-                self._wait_for_save_after_failure()
+                self.checkpointer.wait_after_failure()
                 raise
             finally:
                 profiler.stop()
@@ -478,7 +488,7 @@ class Trainer:
         self._save_once()  # the last step's checkpoint, complete
         log.info("training complete at step %d", self.step)
         if self.config.checkpoint.export:
-            self.export()
+            self.checkpointer.export()
         return 0
 
     def _log_start(self) -> None:
@@ -556,14 +566,6 @@ class Trainer:
         if not scheduled:
             self.wait_for_save()
 
-    def _wait_for_save_after_failure(self) -> None:
-        """Training failed: finish the save in flight, whose state was checked before it was
-        taken, and say how it ended; the failure itself is raised by the caller."""
-        try:
-            self.wait_for_save()
-        except CheckpointSaveError as error:
-            log.error("%s", error)
-
     def _raise_if_diverged(self, guard_rows: torch.Tensor) -> None:
         newest = latest_checkpoint(self.run_dir)
         self.guard.raise_if_diverged(guard_rows, newest.name if newest else "none yet")
@@ -582,7 +584,7 @@ class Trainer:
             self.best.describe(),
         )
         if self.config.checkpoint.export:
-            self.export()
+            self.checkpointer.export()
         return 0
 
     def _due(self, every: int, step: int | None = None) -> bool:
@@ -701,256 +703,40 @@ class Trainer:
         self.meter.resume()
         return metrics
 
-    # --- checkpoints ------------------------------------------------------------------------
+    # --- checkpoints: the Checkpointer's, at this step --------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """The replicated state: identical on every rank, written once by rank 0."""
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "step": self.step,
-            "epoch": self.step // self.steps_per_epoch,
-            "step_in_epoch": self.step % self.steps_per_epoch,
-            "sampler": {
-                "seed": self.sampler.seed,
-                "epoch": self.sampler.epoch,
-                "start_index": self.sampler.start_index,
-            },
-            "task": self.task.state_dict(),
-            "ema": None if self.ema is None else self.ema.state_dict(),
-            "best": self.best.state_dict(),
-            "skipped_steps": self.skips.skipped,
-            "world_size": self.env.world_size,
-            "global_batch_size": self.config.train.global_batch_size,
-            "config": self.config.to_dict(),
-            "versions": {
-                "package": __version__,
-                "torch": str(torch.__version__),
-                "python": platform.python_version(),
-            },
-        }
+        return self.checkpointer.state_dict(self.step)
 
     def rank_state_dict(self) -> dict[str, Any]:
-        """What differs between ranks: RNG streams and this rank's share of the logging window.
-
-        The throughput units are left out: they go with the meter's clock, which restarts with
-        every launch.
-        """
-        window = {k: v for k, v in self.window.state_dict().items() if k != "units"}
-        return {
-            "rank": self.env.rank,
-            "rng": rng.capture(self.device),
-            "window": window,
-        }
+        """What differs between ranks: RNG streams and this rank's share of the logging window."""
+        return self.checkpointer.rank_state_dict()
 
     def save(self) -> Path:
-        """Write a checkpoint of this step (a collective); its time is left out of throughput.
-
-        A save in the background still in flight is waited for first. The ranks wait for each
-        other around the save for dist.barrier_timeout_s the first time in a launch, then for a
-        bound from the previous save's write time (checkpoint.py), so a rank hung in a save ends
-        the job soon, named.
-        """
-        self.meter.pause()
-        write, done = self._checkpoint_writer()
-        started = time.perf_counter()
-        path = write((self.state_dict(), self.rank_state_dict()))
-        done(CompletedSave(self.step, path, stall_s=0.0, write_s=time.perf_counter() - started))
-        self.meter.resume()
-        return path
+        """Write a checkpoint of this step (a collective; Checkpointer.save)."""
+        return self.checkpointer.save(self.step)
 
     def save_in_background(self) -> None:
-        """Copy this step's state to host memory and write its checkpoint in a thread while
-        training goes on (checkpoint.async; a collective). A save still in flight is waited for
-        first; what follows a complete checkpoint runs once it is (background_save.py)."""
-        if self.background is None:
-            raise RuntimeError("save_in_background needs checkpoint.async=true")
-        self.meter.pause()
-        write, done = self._checkpoint_writer(background=True)
-        states = (self.state_dict(), self.rank_state_dict())
-        self.background.start(self.step, states, write, done)
-        self.meter.resume()
+        """Write a checkpoint of this step in a thread (checkpoint.async; a collective)."""
+        self.checkpointer.save_in_background(self.step)
 
     def wait_for_save(self) -> None:
-        """Wait for the save in the background, if one is in flight, and finish it: raises
-        CheckpointSaveError when it failed (on every rank alike)."""
-        if self.background is not None:
-            self.background.wait()
-
-    def _checkpoint_writer(
-        self, background: bool = False
-    ) -> tuple[Callable[[tuple[dict, dict]], Path], Callable[[CompletedSave], None]]:
-        """(write, done) of a save of this step, after waiting for the save in flight: `write`
-        takes (state, rank state) and writes them, `done` follows a complete checkpoint."""
-        self.wait_for_save()  # at most one save in flight; last_save_s is then its write time
-        step, best = self.step, self.best.checkpoint_name
-        # A new best at this step: best.json names this checkpoint once it is complete, with
-        # the verdict as of this step (a later evaluation may find a newer best meanwhile).
-        kept_best = copy.copy(self.best) if self.best.step == step else None
-        timeout_s = save_timeout_s(self.last_save_s, self.config.dist.barrier_timeout_s)
-        group = None if self.background is None else self.background.group
-
-        def write(states: tuple[dict, dict]) -> Path:
-            return save_checkpoint(
-                self.run_dir,
-                step,
-                *states,
-                self.env,
-                keep_last=self.config.checkpoint.keep_last,
-                job=self.job,
-                timeout_s=timeout_s,
-                keep=[best] if best else [],
-                group=group,
-            )
-
-        return write, partial(self._saved, best=kept_best, background=background)
-
-    def _saved(
-        self, completed: CompletedSave, best: BestCheckpoint | None, background: bool
-    ) -> None:
-        """What follows a complete checkpoint: the records up to its step may reach the
-        tracker, and best.json may name it."""
-        self.last_save_s = completed.write_s
-        self.metrics.flush(through=completed.step)
-        if background:
-            # A stop waits for the save in flight, then saves: its deadline (watchdog.py),
-            # sized from the longest step, must cover a background write too.
-            self.stop.longest_step_s = max(self.stop.longest_step_s, completed.write_s)
-            log.info(
-                "saved checkpoint %s, written in %.2f s in the background (training paused "
-                "%.2f s to copy the state)",
-                completed.path,
-                completed.write_s,
-                completed.stall_s,
-            )
-        else:
-            log.info("saved checkpoint %s, written in %.2f s", completed.path, completed.write_s)
-        if best is not None and self.env.is_main:
-            best.write(self.run_dir)
-            log.info("new %s: checkpoint %s is kept", best.describe(), best.checkpoint_name)
+        """Finish the save in the background in flight, if any (Checkpointer.wait_for_save)."""
+        self.checkpointer.wait_for_save()
 
     def resume(self) -> bool:
-        """Continue from the newest checkpoint that every rank can load, if there is one.
-
-        A collective. Settings changed since the checkpoint are refused or applied (resume.py),
-        each optimizer group follows the current settings and its own options again
-        (optimizer.py); on another number of ranks, the per-rank random streams are derived
-        afresh. When the run directory holds checkpoints and none can be used, or one cannot be
-        read for a reason that is not damage (memory, permissions, I/O), raises ResumeError;
-        with checkpoint.start_over_if_unusable, a new run starts at step 0 instead.
-        """
-        try:
-            loaded = load_newest_intact(self.run_dir, self.env)
-        except CheckpointReadError as error:
-            raise ResumeError(str(error)) from error
-        except NoUsableCheckpointError as error:
-            if not self.config.checkpoint.start_over_if_unusable:
-                raise ResumeError(
-                    f"{error} The run's metrics are untouched. Launch again once the cause is "
-                    "fixed, start a new run with another run.dir, or set "
-                    "checkpoint.start_over_if_unusable=true to start a new run in this one "
-                    "(the old metrics are kept aside)."
-                ) from error
-            self._start_over(error.incompatible)
+        """Continue from the newest checkpoint that every rank can load, if there is one (a
+        collective; Checkpointer.resume); False when training starts at step 0."""
+        step = self.checkpointer.resume()
+        if step is None:
             return False
-        if loaded is None:
-            return False
-        state, announce = loaded.state, self.env.is_main
-        changes = changed_settings(state["config"], self.config.to_dict())
-        own = not (self.as_built.default_optimizer and self.as_built.default_schedule)
-        check_changes(changes, loaded.path, announce, own_optimizer=own)
-        self.model.load_state_dict(state["model"])
-        try:
-            self.optimizer.load_state_dict(state["optimizer"])
-        except ValueError as error:  # other groups, or groups of other sizes
-            saved = [len(group["params"]) for group in state["optimizer"]["param_groups"]]
-            now = [len(group["params"]) for group in self.optimizer.param_groups]
-            raise ResumeError(
-                f"cannot resume {loaded.path}: its optimizer has parameter groups of {saved} "
-                f"tensors, and the task's param_groups now makes groups of {now} ({error}). "
-                "Restore the task's param_groups, or start a new run with another run.dir."
-            ) from error
-        self.scheduler.load_state_dict(state["scheduler"])
-        if state["scaler"]:  # empty when saved without fp16 loss scaling
-            self.scaler.load_state_dict(state["scaler"])
-        follow_settings(
-            self.optimizer, self.scheduler, self.as_built, self.own_group_options, announce
-        )
-        self._resume_ema(state.get("ema"), announce)
-        self.best.load_state_dict(state.get("best"), announce)
-        self.skips.skipped = state.get("skipped_steps", 0)
-        if "task" in state:  # checkpoints of contract version 1 hold no task state
-            self.task.load_state_dict(state["task"])
-        self.step = state["step"]
-        if loaded.rank_state is not None:
-            rng.restore(loaded.rank_state["rng"], self.device)
-            self.window.load_state_dict(_window_state(loaded.rank_state, self.accumulation_steps))
-        else:
-            announce_world_size_change(loaded.world_size, self.env.world_size, announce)
-            self._seed_rank_streams()
-        if announce:
-            for path in loaded.skipped:  # out of reach of this run's saves and pruning
-                log.warning(
-                    "moved %s, of another format, to %s",
-                    path.name,
-                    set_aside(path, INCOMPATIBLE_SUFFIX).name,
-                )
-            warning = room_warning(self.run_dir, self.config.checkpoint.keep_last)
-            if warning:
-                log.warning("%s", warning)
-        self.metrics.truncate_after(self.step)
-        if self.config.init.weights and announce:
-            log.info("init.weights is not used: the run continues from its own checkpoint")
-        log.info("resumed from %s at step %d", loaded.path, self.step)
+        self.step = step
         return True
 
-    def _start_over(self, incompatible: list[Path]) -> None:
-        """A new run at step 0 where no checkpoint can be used (checkpoint.start_over_if_unusable):
-        the old run's metrics and checkpoints of another format are kept aside, not lost."""
-        if not self.env.is_main:
-            return
-        for path in incompatible:
-            set_aside(path, INCOMPATIBLE_SUFFIX)
-        kept = self.metrics.set_aside(f"before-start-over-{time.strftime('%Y%m%dT%H%M%S')}")
-        log.warning(
-            "no checkpoint can be used; starting a new run at step 0 "
-            "(checkpoint.start_over_if_unusable=true)%s",
-            f"; the old run's metrics are in {kept.name}" if kept else "",
-        )
-
     def start_fresh(self) -> None:
-        """Begin at step 0: forget records of a run that died before its first checkpoint, and
-        load init.weights when set (fine-tuning: the optimizer and schedule start afresh)."""
-        self.metrics.truncate_after(0)
-        if self.config.init.weights:
-            source = load_initial_weights(self.model, self.config.init.weights)
-            if self.env.is_main:
-                log.info("initialised the model with the %s", source)
-
-    def _resume_ema(self, saved: dict[str, Any] | None, announce: bool) -> None:
-        if self.ema is not None and saved is not None:
-            self.ema.load_state_dict(saved)
-        elif self.ema is not None and announce:
-            log.info("ema.decay is on from now: the average starts from the resumed weights")
-        elif saved is not None and announce:
-            log.info("ema.decay=0: the checkpoint's moving average is dropped")
-
-    def _seed_rank_streams(self) -> None:
-        """This rank's own random streams (dropout, augmentation), from the seed, rank and step."""
-        rng.seed_all(self.config.run.seed + self.env.rank + self.step * 1_000_003)
-
-    def export(self) -> None:
-        """Rank 0 writes the weights (and their moving average) as safetensors with the config,
-        for `weights.load_model` and other programs."""
-        if not self.env.is_main:
-            return
-        config_yaml = to_yaml(self.config)
-        path = export_weights(self.model, self.local_dir, config_yaml, task=self.task)
-        if self.ema is not None:
-            export_weights(self.ema.module, self.local_dir, config_yaml, name="model_ema")
-        log.info("exported the weights to %s", path.parent)
+        """Begin at step 0, from init.weights when set (Checkpointer.start_fresh)."""
+        self.checkpointer.start_fresh()
 
 
 def best_evaluation(records: list[dict[str, Any]], best: BestConfig) -> str:
@@ -965,12 +751,3 @@ def best_evaluation(records: list[dict[str, Any]], best: BestConfig) -> str:
     if any(key.startswith("eval") for record in records for key in record):
         return f"evaluated, without {metric} (best.metric names the metric to report)"
     return "no evaluation yet"
-
-
-def _window_state(rank_state: dict[str, Any], accumulation_steps: int) -> dict[str, torch.Tensor]:
-    """The logging window of a rank file; those of release 0.4 hold the sum of micro-batch
-    means alone, over window_steps x accumulation_steps micro-batches."""
-    if "window" in rank_state:
-        return rank_state["window"]
-    micro_batches = rank_state["window_steps"] * accumulation_steps
-    return {"loss": rank_state["window_loss"], "count": torch.tensor(float(micro_batches))}
