@@ -91,8 +91,9 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
         files.add(f"tests/{folder}/__init__.py")
         files |= {f"tests/{folder}/test_{name}.py" for name in names}
     files.add("tests/example/__init__.py")
-    modules = ["__init__", "config", "contract", "doctor", "launch", "plot", "task", "train"]
+    modules = ["__init__", "contract", "doctor", "launch", "plot", "task", "train"]
     modules += ["checkpointing/__init__", "cluster/__init__", "faults/__init__"]
+    modules += ["config/__init__", "config/loader", "config/schema"]
     modules += ["loading/__init__", "monitoring/__init__", "training/__init__"]
     modules += [f"checkpointing/{name}" for name in ("background_save", "best", "checkpoint")]
     modules += ["checkpointing/checkpointer"]

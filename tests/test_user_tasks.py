@@ -4,8 +4,9 @@ Each task of tests/user_tasks/ replaces the default project's task.py: what
 docs/bring-your-own-model.md tells users to edit. The example's own test module goes with the
 example, as a user replacing it would delete it; every other generated test stays as rendered
 and trains the user's task (its test_settings). Two of them are projects of before 1.0, whose
-TaskConfig lived in config.py (user_tasks/*_config.py): the CNN's is moved into task.py by the
-steps of the CHANGELOG, the GPT-2's stays in config.py, as in a project that has not moved it.
+TaskConfig lived in config.py (user_tasks/*_config.py): the test moves it into task.py by the
+steps of the CHANGELOG (since 1.0 the config is the package config/, and Python would ignore a
+config.py left beside it).
 
 - token_task.py (dict batches padded by a collate, a (sum, count) loss over real tokens,
   throughput in real tokens, named parameter groups, tied weights, metrics with their own
@@ -178,16 +179,11 @@ def test_a_hugging_face_gpt2_trains_resumes_and_counts_real_tokens(tmp_path: Pat
         import transformers  # noqa: F401
     except ImportError as error:  # it is in requirements-test.txt
         pytest.skip(f"transformers cannot be imported: {error}")
-    task = (USER_TASKS / "hf_gpt2_task.py").read_text()
-    project, env, package_dir = project_with_task("User Hf Gpt2 Task", task, tmp_path)
-    # A project of before 1.0 that kept its TaskConfig in config.py through the update.
-    config_py = package_dir / "config.py"
-    old_class = old_task_config((USER_TASKS / "hf_gpt2_config.py").read_text())
-    config_py.write_text(
-        config_py.read_text().replace(
-            "@dataclass\nclass DataConfig:", f"{old_class}\n\n@dataclass\nclass DataConfig:", 1
-        )
+    task = moved_as_the_changelog_says(
+        (USER_TASKS / "hf_gpt2_task.py").read_text(),
+        (USER_TASKS / "hf_gpt2_config.py").read_text(),
     )
+    project, env, package_dir = project_with_task("User Hf Gpt2 Task", task, tmp_path)
     package = package_dir.name
     # One 2-rank launch: crash, resume, and end bitwise where an unbroken run ends.
     run_project_suite(

@@ -88,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _settings_help() -> str:
-    """Every setting of config.py with its default, type and the `#:` comment above its field."""
+    """Every setting of the config with its default, type and the `#:` comment above its field."""
     lines = [
         "settings, each overridable as section.key=value (values in YAML syntax), e.g.",
         "  train.max_steps=100 run.dir=runs/exp1 optim.betas=[0.9,0.95]",

@@ -420,17 +420,16 @@ def test_importing_task_config_from_config_still_works_with_a_warning() -> None:
     assert old_name is TaskConfig
 
 
-def test_a_task_py_that_imports_its_settings_from_config_is_told_where_they_went(
-    tmp_path: Path,
-) -> None:
-    """A task.py of before 1.0 whose TaskConfig was left behind in config.py's old text (taken
-    away by an update) names the move to make instead of a circular-import error."""
-    package = Path(config_module.__file__).parent
+def failed_import_of_a_copy(tmp_path: Path, module: str, files: dict[str, str]) -> str:
+    """The error output of importing `module` of a copy of the package with `files` written
+    into it (a name and its text), in a new interpreter; the import must fail."""
+    package = Path(config_module.__file__).parents[1]  # config/ is a package in the package
     copy = tmp_path / package.name
     shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    (copy / "task.py").write_text("from .config import ConfigError, TaskConfig\n")
+    for name, text in files.items():
+        (copy / name).write_text(text)
     result = subprocess.run(
-        [sys.executable, "-c", f"import {package.name}.task"],
+        [sys.executable, "-c", f"import {package.name}.{module}"],
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(tmp_path)},
         capture_output=True,
@@ -438,6 +437,27 @@ def test_a_task_py_that_imports_its_settings_from_config_is_told_where_they_went
         timeout=120,
     )
     assert result.returncode == 1, result.stderr
-    last_line = result.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("ImportError:"), result.stderr
+    return result.stderr
+
+
+def test_a_task_py_that_imports_its_settings_from_config_is_told_where_they_went(
+    tmp_path: Path,
+) -> None:
+    """A task.py of before 1.0 whose TaskConfig was left behind in config.py's old text (taken
+    away by an update) names the move to make instead of a circular-import error."""
+    task = "from .config import ConfigError, TaskConfig\n"
+    error = failed_import_of_a_copy(tmp_path, "task", {"task.py": task})
+    last_line = error.strip().splitlines()[-1]
+    assert last_line.startswith("ImportError:"), error
     assert "defines no TaskConfig" in last_line and "move `class TaskConfig`" in last_line
+
+
+def test_a_config_py_left_beside_the_config_package_is_refused_naming_it(tmp_path: Path) -> None:
+    """An update cannot delete a config.py the project changed: it stays beside config/, which
+    Python imports instead, so its settings would be ignored in silence. Importing the config
+    names the file and the move to make."""
+    error = failed_import_of_a_copy(tmp_path, "config", {"config.py": "# our own settings\n"})
+    last_line = error.strip().splitlines()[-1]
+    assert last_line.startswith("ImportError:"), error
+    assert f"{tmp_path}{os.sep}" in last_line and "config.py is ignored" in last_line
+    assert "then delete config.py" in last_line

@@ -1,7 +1,4 @@
-"""Typed run configuration: dataclass defaults, a YAML file, then `section.key=value` overrides.
-
-Everything is validated here, before any process group starts, so a typo fails in one second with a
-message that names the key instead of failing minutes later on every rank.
+"""The settings of a run: one dataclass per section, with defaults, help lines and range checks.
 
 The `task` section is task.py's `TaskConfig`, the user's own; every other section is defined
 here. A setting is a field of one of these dataclasses, with a type, a default and a `#:` comment
@@ -9,31 +6,23 @@ above it: its one-line help in `--help`. Types understood: bool, int, float, str
 `Literal[...]`, `enum.Enum` subclasses (written as their values), `X | None`, `list[X]`,
 `tuple[X, ...]` and fixed tuples, `dict[str, X]`, and dataclasses nested in a section (set as
 `task.encoder.depth=4`). A setting's key is its field's name, or `metadata={"key": ...}` where
-the key cannot be a name (`checkpoint.async`: a Python keyword).
+the key cannot be a name (`checkpoint.async`: a Python keyword). loader.py reads values onto
+these classes; this module knows nothing of files or command lines.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
-import inspect
-import math
-import re
-import types
 import typing
-import warnings
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal
 
-import yaml
-
-from .checkpointing.storage import is_url, url_problem
+from ..checkpointing.storage import is_url, url_problem
 
 if TYPE_CHECKING:
-    from .task import TaskConfig
+    from ..task import TaskConfig
 
 
 class ConfigError(ValueError):
@@ -43,10 +32,10 @@ class ConfigError(ValueError):
 def task_config_class() -> type:
     """The `task` section's class: `TaskConfig` of task.py, the user's file.
 
-    Looked up when first needed rather than imported above: task.py imports this module (for
+    Looked up when first needed rather than imported above: task.py imports this package (for
     ConfigError), so the class does not exist yet while this module runs.
     """
-    from . import task
+    from .. import task
 
     if not hasattr(task, "TaskConfig"):
         raise ImportError(
@@ -55,20 +44,6 @@ def task_config_class() -> type:
             "only ConfigError from .config (CHANGELOG: what a project that updates must change)"
         )
     return task.TaskConfig
-
-
-def __getattr__(name: str) -> Any:
-    """`from .config import TaskConfig`, as projects before 1.0 wrote it, works for one more
-    release, with a warning: the class is task.py's now."""
-    if name != "TaskConfig":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        f"import TaskConfig from {__package__}.task: {__name__}.TaskConfig goes in the next "
-        "release",
-        FutureWarning,
-        stacklevel=2,
-    )
-    return task_config_class()
 
 
 @dataclass
@@ -475,63 +450,7 @@ class Config:
 
         Paths become strings, enums their values and tuples lists: `from_dict` turns them back.
         """
-        return _plain(self)
-
-
-class Setting(NamedTuple):
-    """One `section.key` of the config, as `--help` lists it."""
-
-    key: str
-    type: str
-    default: str
-    help: str
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Build the config from defaults, an optional YAML file, then `section.key=value` overrides."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        values = _read_yaml(Path(path))
-    for override in overrides or []:
-        _apply_override(values, override)
-    return from_dict(values)
-
-
-def read_run_config(path: str | Path) -> Config:
-    """The settings a run wrote (an export's config.yaml), type-checked but not validated.
-
-    For rebuilding the run's model elsewhere. `validate` checks that training can start here:
-    task.data_dir holds a manifest, init.weights exists, an object store's package is
-    installed. A machine that only loads the model may hold none of that, and the run passed
-    those checks when it wrote the file.
-    """
-    return _build(Config(), _read_yaml(Path(path)), prefix="")
-
-
-def from_dict(values: dict[str, Any]) -> Config:
-    """The defaults with `values` (nested as in `Config.to_dict()`) applied, checked, validated."""
-    config = _build(Config(), values, prefix="")
-    validate(config)
-    return config
-
-
-def flatten(values: dict[str, Any]) -> dict[str, Any]:
-    """`section.key` -> value for a nested dict such as `Config.to_dict()`: the overrides' names.
-
-    Only sections (dataclasses) are opened: a dict-valued setting stays one value, so that a key
-    added to it is a change of that setting rather than a setting that exists on one side only.
-    """
-    return _flatten(values, Config, prefix="")
-
-
-def to_yaml(config: Config) -> str:
-    """The resolved config as YAML, in declaration order."""
-    return yaml.safe_dump(config.to_dict(), sort_keys=False)
-
-
-def settings() -> list[Setting]:
-    """Every `section.key` of `Config()` with its type, default and one-line help, in order."""
-    return _settings(Config(), prefix="")
+        return plain(self)
 
 
 def validate(config: Config) -> None:
@@ -556,244 +475,29 @@ def _not_negative(section: str, **values: float) -> None:
             raise ConfigError(f"{section}.{key} must be >= 0, got {value}")
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        with open(path) as handle:  # a stream, so that errors name the file and the line
-            loaded = yaml.load(handle, Loader=_UniqueKeyLoader)
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path} is not valid YAML: {error}") from error
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"{path} must hold a mapping of sections, got {type(loaded).__name__}")
-    return loaded
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping: YAML would keep the last
-    one silently, so a setting written twice in a config file could quietly lose its first
-    value."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if not isinstance(key, Hashable):
-                continue  # the base loader refuses it, naming it
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None,
-                    None,
-                    f"the key {key!r} appears twice in one mapping; keep one of them",
-                    key_node.start_mark,
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def _apply_override(values: dict[str, Any], override: str) -> None:
-    key, sep, raw = override.partition("=")
-    if not sep or not key or "." not in key:
-        raise ConfigError(
-            f"override {override!r} must look like section.key=value, e.g. train.epochs=5"
-        )
-    *sections, leaf = key.split(".")
-    node = values
-    for section in sections:
-        node = node.setdefault(section, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {override!r}: {section!r} is not a section")
-    try:
-        node[leaf] = yaml.safe_load(raw) if raw else ""
-    except yaml.YAMLError as error:
-        raise ConfigError(f"override {override!r}: cannot parse value {raw!r}: {error}") from error
-
-
-def _build(base: Any, values: Any, prefix: str) -> Any:
-    """`base` (a dataclass instance) with the settings in `values` replaced, each type-checked."""
-    if not isinstance(values, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {values!r}")
-    hints = _hints(type(base))
-    names = {_key(f): f.name for f in dataclasses.fields(base) if f.init}
-    unknown = sorted(set(values) - set(names))
-    if unknown:
-        where = prefix.rstrip(".") or "top level"
-        keys = ", ".join(prefix + str(key) for key in unknown)
-        raise ConfigError(f"unknown key(s) {keys} in {where}; valid keys: {', '.join(names)}")
-    changes = {
-        name: _coerce(values[key], hints[name], prefix + key, getattr(base, name))
-        for key, name in names.items()
-        if key in values
-    }
-    return dataclasses.replace(base, **changes)
-
-
-def _hints(section: type) -> dict[str, Any]:
-    """The types of a section's fields; `Config.task`'s names task.py's TaskConfig."""
+def field_types(section: type) -> dict[str, Any]:
+    """The types of a section's fields; `Config.task`'s names task.py's TaskConfig, which this
+    module cannot import at its top (see task_config_class)."""
     if issubclass(section, Config):
         return typing.get_type_hints(section, localns={"TaskConfig": task_config_class()})
     return typing.get_type_hints(section)
 
 
-def _key(setting: dataclasses.Field) -> str:
+def setting_key(setting: dataclasses.Field) -> str:
     """The key of a setting in YAML and overrides: its field's name unless its metadata says."""
     return setting.metadata.get("key", setting.name)
 
 
-def _coerce(value: Any, hint: Any, key: str, current: Any = None) -> Any:
-    """`value` as the type `hint`, or a ConfigError naming `key` and the type expected."""
-    origin, args = get_origin(hint), get_args(hint)
-    if dataclasses.is_dataclass(hint):
-        # A nested section: unset keys keep the current value, not the class's default.
-        return _build(current if isinstance(current, hint) else hint(), value, prefix=f"{key}.")
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        for option in (arg for arg in args if arg is not type(None)):
-            try:
-                return _coerce(value, option, key, current)
-            except ConfigError:
-                continue
-    elif origin is Literal:
-        if any(value == choice and type(value) is type(choice) for choice in args):
-            return value
-        raise ConfigError(f"{key} must be one of {', '.join(map(str, args))}; got {value!r}")
-    elif _is_subclass(hint, enum.Enum):
-        try:
-            return hint(value)
-        except (ValueError, TypeError):
-            values = ", ".join(str(member.value) for member in hint)
-            raise ConfigError(f"{key} must be one of {values}; got {value!r}") from None
-    elif origin is list and isinstance(value, (list, tuple)):
-        return [_coerce(item, args[0], f"{key}[{i}]") for i, item in enumerate(value)]
-    elif origin is tuple and isinstance(value, (list, tuple)):
-        kinds = (args[0],) * len(value) if args[-1:] == (...,) else args
-        if len(value) != len(kinds):
-            raise ConfigError(f"{key} must be a list of {len(kinds)} values, got {value!r}")
-        pairs = enumerate(zip(value, kinds, strict=True))
-        return tuple(_coerce(item, kind, f"{key}[{i}]") for i, (item, kind) in pairs)
-    elif origin is dict and isinstance(value, dict):
-        return {
-            _coerce(name, args[0], f"a key of {key}"): _coerce(item, args[1], f"{key}.{name}")
-            for name, item in value.items()
-        }
-    elif hint is bool:
-        if isinstance(value, bool):
-            return value
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif hint is float:
-        number: float | None = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):  # YAML reads 1e-4 (no dot) as a string
-            with contextlib.suppress(ValueError):
-                number = float(value)
-        if number is not None:
-            if not math.isfinite(number):
-                raise ConfigError(f"{key} must be a finite number, got {value!r}")
-            return number
-    elif hint is str:
-        if isinstance(value, str):
-            return value
-    elif _is_subclass(hint, PurePath):
-        if isinstance(value, (str, PurePath)):
-            return hint(value)
-    elif origin not in (list, tuple, dict):
-        raise TypeError(f"{key}: type {_type_name(hint)} is not supported in the config")
-    got = f"{value!r} ({type(value).__name__})"
-    raise ConfigError(f"{key} must be of type {_type_name(hint)}, got {got}")
-
-
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     """`value` as YAML and JSON hold it: dicts, lists, strings, numbers, booleans and null."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {_key(f): _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {setting_key(f): plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, dict):
-        return {_plain(key): _plain(item) for key, item in value.items()}
+        return {plain(key): plain(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
+        return [plain(item) for item in value]
     if isinstance(value, enum.Enum):
-        return _plain(value.value)
+        return plain(value.value)
     if isinstance(value, PurePath):
         return str(value)
     return value
-
-
-def _flatten(values: dict[str, Any], schema: type, prefix: str) -> dict[str, Any]:
-    hints = _hints(schema)
-    flat: dict[str, Any] = {}
-    for key, value in values.items():
-        hint = hints.get(key)
-        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
-            flat.update(_flatten(value, hint, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def _settings(section: Any, prefix: str) -> list[Setting]:
-    hints = _hints(type(section))
-    described = _descriptions(type(section))
-    found: list[Setting] = []
-    for f in dataclasses.fields(section):
-        value, key = getattr(section, f.name), prefix + _key(f)
-        if dataclasses.is_dataclass(value):
-            found += _settings(value, f"{key}.")
-        else:
-            default = _inline_yaml(_plain(value))
-            help = described.get(f.name, "")
-            found.append(Setting(key, _type_name(hints[f.name]), default, help))
-    return found
-
-
-def _descriptions(cls: type) -> dict[str, str]:
-    """Each field's one-line help: the `#:` comment above it (a base class's for inherited ones)."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    described: dict[str, str] = {}
-    for klass in filter(dataclasses.is_dataclass, cls.__mro__):  # the subclass first
-        try:
-            lines = inspect.getsource(klass).splitlines()
-        except (OSError, TypeError):  # no source to read, e.g. the package runs from a zip
-            continue
-        comment: list[str] = []
-        for line in map(str.strip, lines):
-            if line.startswith("#:"):
-                comment.append(line[2:].strip())
-                continue
-            named = re.match(r"(\w+)\s*:", line)
-            if comment and named and named[1] in names:
-                described.setdefault(named[1], " ".join(comment))
-            comment = []
-    return described
-
-
-def _type_name(hint: Any) -> str:
-    """`hint` as users write it: `int | None`, `list[int]`, `fp16|bf16` for a choice."""
-    origin, args = get_origin(hint), get_args(hint)
-    if hint is type(None):
-        return "None"
-    if origin is Literal:
-        return "|".join(map(str, args))
-    if _is_subclass(hint, enum.Enum):
-        return "|".join(str(member.value) for member in hint)
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(map(_type_name, args))
-    if origin is not None:
-        inner = ", ".join("..." if arg is ... else _type_name(arg) for arg in args)
-        return f"{origin.__name__}[{inner}]"
-    return getattr(hint, "__name__", str(hint))
-
-
-def _is_subclass(hint: Any, base: type) -> bool:
-    """Whether `hint` is a plain class derived from `base` (`list[int]` is not a class here)."""
-    return get_origin(hint) is None and isinstance(hint, type) and issubclass(hint, base)
-
-
-def _inline_yaml(value: Any) -> str:
-    """`value` as it is typed in an override: `runs/default`, `[0.9, 0.999]`, `null`."""
-    text = yaml.safe_dump(value, default_flow_style=True, width=1_000_000).strip()
-    return text.removesuffix("...").strip()
