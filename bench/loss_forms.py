@@ -4,18 +4,20 @@ Run by run.py in a render of the `gpt` example: `torchrun --nproc-per-node=2 ben
 --project DIR --json FILE [section.key=value ...]`. The example's Task returns the mean over
 the tokens of a micro-batch; `SummedTokens` returns the same loss as a sum and the number of
 tokens, which the Trainer then normalises over the global batch (one more all-reduce of a
-scalar per step, and a multiplication of the gradients). The two take turns, `--repeats` times,
-in one launch.
+scalar per step, and a multiplication of the gradients). The two take turns in one launch,
+`--rounds` times (benchmarks/overhead.py's rounds and intervals).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import itertools
 import json
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from ddp_project.cluster.distributed import detect_env, process_group
@@ -40,26 +42,34 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--project", type=Path, required=True)
     parser.add_argument("--json", type=Path, required=True)
-    parser.add_argument("--warmup-steps", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup-steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--confidence", type=float, default=0.95)
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_args()
     overhead = load_overhead(args.project)
     env = detect_env()
     config_file = args.project / "configs" / "default.yaml"
     config = overhead.benchmark_config(config_file, args.overrides, args.warmup_steps, args.steps)
-    runs: dict[str, list] = {"mean": [], "sum_count": []}
     with process_group(env, config.dist) as device:
         root = overhead.shared_temporary_dir(env)
-        for repeat in range(args.repeats):
-            for name, task_class in (("mean", Task), ("sum_count", SummedTokens)):
-                clock = overhead.StepClock(device, args.warmup_steps, args.steps)
-                task = task_class(config.task, seed=config.run.seed)
-                overhead.run_trainer(config, env, device, root / f"{name}-{repeat}", clock, task)
-                runs[name].append(overhead.slowest(clock.figures()))
-                gc.collect()
-        results = {name: overhead.summary(figures) for name, figures in runs.items()}
+        run_dirs = (root / f"run-{index}" for index in itertools.count())
+
+        def runner(task_class: type[Task]) -> Callable[[Any], dict[str, torch.Tensor]]:
+            return lambda clock: overhead.run_trainer(
+                config, env, device, next(run_dirs), clock, task_class(config.task, config.run.seed)
+            )
+
+        runs, _ = overhead.interleave(
+            {"mean": runner(Task), "sum_count": runner(SummedTokens)},
+            args.rounds,
+            lambda: overhead.StepClock(device, args.warmup_steps, args.steps),
+        )
+        results = {name: overhead.summary(loop_runs) for name, loop_runs in runs.items()}
+        results["ratios"] = {
+            "sum_count/mean": overhead.ratios(runs, "sum_count", "mean", args.confidence)
+        }
         if env.is_main:
             args.json.write_text(json.dumps(results, indent=2) + "\n")
             shutil.rmtree(root, ignore_errors=True)

@@ -15,22 +15,37 @@ The Trainer adds what users get from it: loss tracking, the stop protocol
 checkpoints happen every N steps; their intervals are set beyond the timed steps here, since the
 plain loop has none of them.
 
-The two run in one launch, interleaved (trainer, plain, trainer, plain, ...: `--repeats`
-pairs), so that a machine that slows down during the run slows both. Each run takes
-`--warmup-steps` untimed steps, then `--steps` timed ones, then one more untimed step, on which
-the Trainer evaluates and writes its final checkpoint. The final weights of the two must be
-bitwise equal: the same work was done, so the times compare the loops and nothing else.
+The loops run in one launch, in rounds: every round runs the Trainer, the plain loop and the
+plain loop again, one after the other, in an order drawn for each round, so that a machine
+that slows down during the launch slows every loop alike. A round before the first,
+not reported, warms up. Each run takes `--warmup-steps` untimed steps, then `--steps` timed
+ones, then one more untimed step, on which the Trainer evaluates and writes its final
+checkpoint. In every round the final weights of the three must be bitwise equal: the same work
+was done, so the times compare the loops and nothing else.
 
 The Trainer is used as it is: the time at the end of each of its steps is taken by the
 `StopRequests` it is given, which it asks after every optimizer step whether to stop (the
 answer is the real protocol's). The plain loop takes the same time stamp after its steps.
-Per-step times are the differences of consecutive stamps; the median is robust to a busy
-machine's hiccups. The mean is the timed window's length over its steps, with the device
-synchronized at the two ends of the window only, so that on a GPU it counts the work done and
-not only the work queued. CPU is the median CPU time of the training thread per step: what the
-loop itself computes and dispatches, without the waits for the other ranks or for a core that
-another program holds, so it shows a loop's own cost even on a shared machine. Each figure is
-the slowest rank's, then the median over the repeats.
+Four figures per run, in seconds per timed step:
+
+- wall median: the median time from the end of one step to the end of the next;
+- wall mean: the timed window over its steps, with the device synchronized at its two ends
+  only, so that on a GPU it counts the work done and not only the work queued;
+- CPU thread: the CPU time of the training thread over the window, per step: what the loop
+  itself computes and dispatches, without the waits for the other ranks or for a core that
+  another program holds;
+- CPU process: the same for every thread of the process (the collectives' threads too).
+
+The wall figures are the slowest rank's, the CPU figures the mean of the ranks'. The CPU
+figures show a loop's own cost even on a shared machine, where the wall clock measures the
+scheduler as much as the loop.
+
+Each ratio is the geometric mean over the rounds of the ratio within a round (Trainer /
+plain), with a bootstrap interval over the rounds (`--confidence`, 95% by default). The plain
+loop against itself (plain again / plain) is the control: its interval shows how far from 1
+chance alone takes a ratio on this machine, that is what the benchmark resolves. A Trainer
+ratio whose interval lies above 1 measures a cost; one whose interval holds 1 cannot be told
+from the plain loop at this resolution (more `--rounds` narrow both intervals).
 """
 
 from __future__ import annotations
@@ -39,12 +54,15 @@ import argparse
 import gc
 import itertools
 import json
+import math
 import os
+import random
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
@@ -85,34 +103,46 @@ PLAIN_LOOP_ASSUMES = {
     "dist.broadcast_buffers": True,
 }
 Weights = dict[str, torch.Tensor]
-#: What is reported per loop, in seconds per step (see StepClock.figures).
-FIGURES = ("median_step_s", "mean_step_s", "cpu_step_s")
+#: A loop to time: it trains under the clock given and returns its final weights.
+Runner = Callable[["StepClock"], Weights]
+#: What is reported per run, in seconds per timed step (see StepClock.figures), and its label.
+FIGURES = {
+    "median_step_s": "wall median",
+    "mean_step_s": "wall mean",
+    "cpu_step_s": "CPU thread",
+    "process_cpu_step_s": "CPU process",
+}
+CPU_FIGURES = ("cpu_step_s", "process_cpu_step_s")
 
 
 class StepClock:
-    """Time stamps at the end of every optimizer step of one run: wall clock and CPU time."""
+    """Time stamps at the end of every optimizer step of one run: wall clock, the CPU time of
+    this thread and that of the process."""
 
     def __init__(self, device: torch.device, warmup_steps: int, steps: int) -> None:
         self.device = device
         self.window = (warmup_steps, warmup_steps + steps)
-        self.stamps: list[tuple[float, float]] = []
+        self.stamps: list[tuple[float, float, float]] = []
 
     def tick(self) -> None:
         if len(self.stamps) + 1 in self.window and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.stamps.append((time.perf_counter(), time.thread_time()))
+        self.stamps.append((time.perf_counter(), time.thread_time(), time.process_time()))
 
     def figures(self) -> dict[str, float]:
-        """Seconds per timed step: median and mean wall clock, median CPU time of this thread."""
+        """Seconds per timed step: median and mean wall clock, mean CPU time of this thread and
+        of the process."""
         first, last = self.window
         if len(self.stamps) <= last:
             raise RuntimeError(f"the clock saw {len(self.stamps)} steps, fewer than {last + 1}")
         timed = self.stamps[first - 1 : last]  # the end of the warm-up, then each timed step
-        pairs = list(itertools.pairwise(timed))
+        steps = len(timed) - 1
+        start, end = timed[0], timed[-1]
         return {
-            "median_step_s": statistics.median(end[0] - start[0] for start, end in pairs),
-            "mean_step_s": (timed[-1][0] - timed[0][0]) / len(pairs),
-            "cpu_step_s": statistics.median(end[1] - start[1] for start, end in pairs),
+            "median_step_s": statistics.median(b[0] - a[0] for a, b in itertools.pairwise(timed)),
+            "mean_step_s": (end[0] - start[0]) / steps,
+            "cpu_step_s": (end[1] - start[1]) / steps,
+            "process_cpu_step_s": (end[2] - start[2]) / steps,
         }
 
 
@@ -261,18 +291,102 @@ def benchmark_config(
     return config
 
 
-def slowest(figures: dict[str, float]) -> dict[str, float]:
-    """The largest of every rank's value of each figure."""
+def over_ranks(figures: dict[str, float]) -> dict[str, float]:
+    """Every rank's figures as one: the slowest rank's wall clock (the ranks wait for each
+    other: the slowest sets the pace), the mean of the ranks' CPU times (each its own work)."""
     if not is_distributed():
         return figures
-    values = torch.tensor(list(figures.values()), dtype=torch.float64)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return dict(zip(figures, values.tolist(), strict=True))
+    slowest = torch.tensor(list(figures.values()), dtype=torch.float64)
+    mean = slowest.clone()
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(mean)
+    mean /= dist.get_world_size()
+    return {
+        key: float(mean[index] if key in CPU_FIGURES else slowest[index])
+        for index, key in enumerate(figures)
+    }
 
 
 def summary(runs: list[dict[str, float]]) -> dict:
     """The median over the runs of each figure, and the runs."""
     return {key: statistics.median(run[key] for run in runs) for key in runs[0]} | {"runs": runs}
+
+
+def same_weights(mine: Weights, other: Weights) -> bool:
+    """Whether two runs ended with bitwise equal weights on every rank (a collective)."""
+    same = mine.keys() == other.keys() and all(torch.equal(mine[k], other[k]) for k in mine)
+    return all_ranks_agree(same)
+
+
+def interleave(
+    runners: dict[str, Runner], rounds: int, clock: Callable[[], StepClock]
+) -> tuple[dict[str, list[dict[str, float]]], dict[str, bool]]:
+    """Run every loop once per round, in an order drawn at random for each round (seeded by
+    the round: the same on every rank), after a round that is not reported (the warm-up: first
+    calls, allocations, caches). A drawn order, not a rotation of one: with a rotation each loop
+    always follows the same other, and what one run leaves behind (memory, caches) would
+    weigh on one loop only.
+
+    Returns each loop's figures per round (`over_ranks`), and for every loop but the
+    first whether its final weights were bitwise equal to the first loop's in every round.
+    """
+    names = list(runners)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    equal = {name: True for name in names[1:]}
+    for round_index in range(rounds + 1):
+        weights = {}
+        for name in random.Random(round_index).sample(names, len(names)):
+            timer = clock()
+            weights[name] = runners[name](timer)
+            figures = over_ranks(timer.figures())
+            if round_index > 0:
+                runs[name].append(figures)
+            gc.collect()
+        for name in equal:
+            equal[name] &= same_weights(weights[names[0]], weights[name])
+    return runs, equal
+
+
+def paired_ratio(
+    numerators: list[float], denominators: list[float], confidence: float, resamples: int = 10_000
+) -> dict[str, float]:
+    """The geometric mean of the ratios of paired runs (numerator_i / denominator_i, taken in
+    the same round), with a percentile bootstrap interval over the pairs.
+
+    Pairing cancels what the rounds share (the machine's load at the time); the geometric mean
+    treats a ratio and its inverse alike. The resampling is seeded: the same runs give the
+    same interval.
+    """
+    logs = torch.tensor(
+        [math.log(a / b) for a, b in zip(numerators, denominators, strict=True)],
+        dtype=torch.float64,
+    )
+    picks = torch.randint(
+        len(logs), (resamples, len(logs)), generator=torch.Generator().manual_seed(0)
+    )
+    tail = (1 - confidence) / 2
+    bounds = torch.tensor([tail, 1 - tail], dtype=torch.float64)
+    low, high = torch.quantile(logs[picks].mean(dim=1), bounds).exp().tolist()
+    return {"ratio": math.exp(logs.mean()), "low": low, "high": high}
+
+
+def ratios(
+    runs: dict[str, list[dict[str, float]]], numerator: str, denominator: str, confidence: float
+) -> dict[str, dict[str, float]]:
+    """`paired_ratio` of every figure of two loops' runs."""
+    return {
+        figure: paired_ratio(
+            [run[figure] for run in runs[numerator]],
+            [run[figure] for run in runs[denominator]],
+            confidence,
+        )
+        for figure in FIGURES
+    }
+
+
+def shown(ratio: dict[str, float]) -> str:
+    """A ratio and its interval as the table shows them."""
+    return f"{ratio['ratio']:.4f} [{ratio['low']:.4f}, {ratio['high']:.4f}]"
 
 
 def shared_temporary_dir(env: DistEnv) -> Path:
@@ -286,16 +400,21 @@ def shared_temporary_dir(env: DistEnv) -> Path:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Step time of the Trainer against a plain DDP loop doing the same work, "
-        "interleaved in one launch (run under torchrun).",
+        "in interleaved rounds in one launch (run under torchrun).",
         epilog="Example: torchrun --standalone --nproc-per-node=2 benchmarks/overhead.py "
         "train.micro_batch_size=64",
     )
     parser.add_argument(
         "--config", type=Path, default=DEFAULT_CONFIG, help="YAML config (default: %(default)s)"
     )
-    parser.add_argument("--warmup-steps", type=int, default=100, help="untimed steps per run")
-    parser.add_argument("--steps", type=int, default=500, help="timed steps per run")
-    parser.add_argument("--repeats", type=int, default=3, help="pairs of runs, interleaved")
+    parser.add_argument("--warmup-steps", type=int, default=20, help="untimed steps per run")
+    parser.add_argument("--steps", type=int, default=50, help="timed steps per run")
+    parser.add_argument(
+        "--rounds", type=int, default=20, help="rounds of one run of each loop (default: 20)"
+    )
+    parser.add_argument(
+        "--confidence", type=float, default=0.95, help="of the intervals (default: 0.95)"
+    )
     parser.add_argument(
         "--run-dir",
         type=Path,
@@ -305,31 +424,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_args(argv)
-    if args.warmup_steps < 1 or args.steps < 2 or args.repeats < 1:
-        parser.error("--warmup-steps must be at least 1, --steps at least 2, --repeats at least 1")
+    if args.warmup_steps < 1 or args.steps < 2 or args.rounds < 1:
+        parser.error("--warmup-steps must be at least 1, --steps at least 2, --rounds at least 1")
+    if not 0 < args.confidence < 1:
+        parser.error("--confidence must be between 0 and 1")
     return args
 
 
-def report(runs: dict[str, list[dict[str, float]]], equal: bool, env: DistEnv) -> dict:
-    """The medians over the repeats, and the table printed on rank 0."""
-    figures = {name: summary(figures) for name, figures in runs.items()}
-    trainer, plain = figures["trainer"], figures["plain"]
-    ratio = {key: trainer[key] / plain[key] for key in FIGURES}
+def report(
+    runs: dict[str, list[dict[str, float]]], equal: bool, args: argparse.Namespace, env: DistEnv
+) -> dict:
+    """The figures: each loop's medians over the rounds, the Trainer's ratio to the plain loop
+    and the control's, with their intervals; the table printed on rank 0."""
+    figures = {name: summary(loop_runs) for name, loop_runs in runs.items()}
+    ratio = ratios(runs, "trainer", "plain", args.confidence)
+    control = ratios(runs, "plain_again", "plain", args.confidence)
+    percent = f"{args.confidence:.0%}"
     lines = [
-        f"{'ms per step':<16} {'median':>9} {'mean':>9} {'CPU':>9}",
+        f"{args.rounds} rounds of {args.steps} timed steps per loop; per step, the median over "
+        f"the rounds, and ratios with their {percent} interval:",
+        f"{'':<16} {'trainer':>10} {'plain':>10} {'plain again':>11}   "
+        f"{'trainer / plain':<24} {'control: plain again / plain':<24}",
         *(
-            f"{name:<16} " + " ".join(f"{row[key] * 1e3:>9.4f}" for key in FIGURES)
-            for name, row in figures.items()
+            f"{label + ', ms':<16} "
+            + " ".join(f"{figures[name][key] * 1e3:>10.4f}" for name in ("trainer", "plain"))
+            + f" {figures['plain_again'][key] * 1e3:>11.4f}   "
+            + f"{shown(ratio[key]):<24} {shown(control[key]):<24}"
+            for key, label in FIGURES.items()
         ),
-        f"{'trainer / plain':<16} " + " ".join(f"{ratio[key]:>9.4f}" for key in FIGURES),
         f"final weights bitwise equal: {'yes' if equal else 'NO'}",
     ]
     if env.is_main:
         print("\n".join(lines), flush=True)
     return {
         "world_size": env.world_size,
+        "rounds": args.rounds,
+        "warmup_steps": args.warmup_steps,
+        "steps": args.steps,
+        "confidence": args.confidence,
         "weights_bitwise_equal": equal,
         "ratios": ratio,
+        "control": control,
         **figures,
     }
 
@@ -345,30 +480,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with process_group(env, config.dist) as device:
         root = args.run_dir or shared_temporary_dir(env)
-        runs: dict[str, list[dict[str, float]]] = {"trainer": [], "plain": []}
-        equal = True
-        for repeat in range(args.repeats):
-            weights = {}
-            for name in runs:
-                clock = StepClock(device, args.warmup_steps, args.steps)
-                if name == "trainer":
-                    weights[name] = run_trainer(
-                        config, env, device, root / f"trainer-{repeat}", clock
-                    )
-                else:
-                    weights[name] = run_plain(config, env, device, clock)
-                runs[name].append(slowest(clock.figures()))
-                gc.collect()
-            trainer, plain = weights["trainer"], weights["plain"]
-            same = trainer.keys() == plain.keys()
-            equal &= all_ranks_agree(same and all(torch.equal(trainer[k], plain[k]) for k in plain))
-        record = report(runs, equal, env)
+        run_dirs = (root / f"trainer-{index}" for index in itertools.count())
+        runners: dict[str, Runner] = {
+            "trainer": lambda clock: run_trainer(config, env, device, next(run_dirs), clock),
+            "plain": lambda clock: run_plain(config, env, device, clock),
+            "plain_again": lambda clock: run_plain(config, env, device, clock),
+        }
+        runs, equal = interleave(
+            runners, args.rounds, lambda: StepClock(device, args.warmup_steps, args.steps)
+        )
+        record = report(runs, all(equal.values()), args, env)
         if env.is_main:
             if args.json:
                 args.json.write_text(json.dumps(record, indent=2) + "\n")
             if args.run_dir is None:
                 shutil.rmtree(root, ignore_errors=True)
-    return 0 if equal else 1
+    return 0 if record["weights_bitwise_equal"] else 1
 
 
 if __name__ == "__main__":

@@ -5,12 +5,14 @@ Tiny sizes: these check that the scripts work and compute what they claim, not t
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -19,6 +21,14 @@ from ..helpers import FAST, run_torchrun
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 pytestmark = pytest.mark.distributed
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """A script of benchmarks/ as a module (the folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_allreduce_reports_bus_bandwidth_as_nccl_tests_define_it(tmp_path: Path) -> None:
@@ -43,17 +53,38 @@ def test_overhead_trains_the_same_weights_with_the_trainer_and_the_plain_loop(
 ) -> None:
     report = tmp_path / "overhead.json"
     # 21 steps of 16 per epoch: the second epoch's order is compared too.
-    options = ["--warmup-steps=10", "--steps=10", "--repeats=1", f"--json={report}"]
+    options = ["--warmup-steps=10", "--steps=10", "--rounds=2", f"--json={report}"]
     options += [f"--run-dir={tmp_path / 'runs'}", *FAST]
-    result = run_torchrun(2, options, timeout=120, entry=BENCHMARKS / "overhead.py")
+    result = run_torchrun(2, options, timeout=300, entry=BENCHMARKS / "overhead.py")
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads(report.read_text())
     assert record["weights_bitwise_equal"] is True
-    for figure in ("median_step_s", "mean_step_s", "cpu_step_s"):
-        trainer, plain = record["trainer"][figure], record["plain"][figure]
-        assert trainer > 0 and plain > 0
-        assert record["ratios"][figure] == pytest.approx(trainer / plain)
     assert "final weights bitwise equal: yes" in result.stdout
+    assert (record["world_size"], record["rounds"], record["steps"]) == (2, 2, 10)
+    for ratio, numerator in (("ratios", "trainer"), ("control", "plain_again")):
+        for figure in ("median_step_s", "mean_step_s", "cpu_step_s", "process_cpu_step_s"):
+            runs = [record[loop]["runs"] for loop in (numerator, "plain")]
+            assert all(len(loop_runs) == 2 for loop_runs in runs)
+            assert all(run[figure] > 0 for loop_runs in runs for run in loop_runs)
+            paired = [mine[figure] / plain[figure] for mine, plain in zip(*runs, strict=True)]
+            interval = record[ratio][figure]
+            assert interval["ratio"] == pytest.approx(math.prod(paired) ** 0.5)
+            assert interval["low"] <= interval["ratio"] <= interval["high"]
+
+
+def test_the_overhead_ratio_of_paired_runs_has_an_interval_that_narrows_with_rounds() -> None:
+    """The geometric mean of the paired ratios, with a bootstrap interval over the pairs: one
+    that shrinks as the same spread of ratios comes from more rounds."""
+    overhead = load_benchmark("overhead")
+    ratios = [1.01, 1.03, 0.99, 1.02]
+    few = overhead.paired_ratio(ratios, [1.0] * 4, confidence=0.95)
+    many = overhead.paired_ratio(ratios * 8, [1.0] * 32, confidence=0.95)
+    assert few["ratio"] == pytest.approx(math.prod(ratios) ** 0.25)
+    assert many["ratio"] == pytest.approx(few["ratio"])
+    assert few["low"] < many["low"] <= many["ratio"] <= many["high"] < few["high"]
+    assert overhead.paired_ratio([2.0, 4.0], [1.0, 2.0], 0.95) == pytest.approx(
+        {"ratio": 2.0, "low": 2.0, "high": 2.0}
+    )
 
 
 def test_checkpoint_stall_reports_the_pause_of_both_kinds_of_save_and_their_ratio(

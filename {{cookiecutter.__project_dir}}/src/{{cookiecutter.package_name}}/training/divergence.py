@@ -5,12 +5,17 @@ DDP's all-reduce, then every rank's weights. Left alone, the run trains on to it
 checkpoints that hold only non-finite tensors and prunes the good ones, and a relaunch resumes
 the broken weights.
 
-Each step records, on the device, the first step whose loss (on this rank) or gradient norm (the
+The guard records, on the device, the first step whose loss (on this rank) or gradient norm (the
 same on every rank: it is taken after the all-reduce) was not finite. The trainer reads that
 record where it waits for the device anyway: in the gather of the log line, and before every
 checkpoint, where the weights themselves are checked too. Every rank reads the same gathered
 record, so all of them stop at the same step, and the newest checkpoint is always one whose
 every value is finite.
+
+A step only keeps its values aside (no device work: a handful of tiny operations per step
+would cost more than the rest of the trainer's bookkeeping together); they are checked all at
+once, in a few operations whatever their number, when the record is read, or once
+`PENDING_STEPS` steps are waiting.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import math
 from collections.abc import Iterable
 
 import torch
+
+from .losses import detached
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +43,23 @@ class DivergenceGuard:
 
     #: Entries of `record()`, in order.
     FIELDS = ("loss", "grad_norm", "weights")
+    #: The most steps whose values wait to be checked: a bound on the tensors kept alive.
+    PENDING_STEPS = 1000
 
     def __init__(self, device: torch.device, watch_gradients: bool = True) -> None:
+        self.device = device
         # fp16's loss scaler expects gradients that overflow and skips those steps itself.
         self.watch_gradients = watch_gradients
-        # The first step seen non-finite, per field; inf: none so far. Kept as a running
-        # minimum: a few tiny device ops per step, no comparison with what was there.
+        # The first step seen non-finite, per field; inf: none so far.
         self._first = torch.full((len(self.FIELDS),), math.inf, dtype=torch.float64, device=device)
+        # The values of consecutive steps from `_pending_from` on, not checked yet: every
+        # step's micro-batch losses, of the same dtypes in every step (`_dtypes`: each step's
+        # sum overflows as it would alone), and its gradient norm (or `_finite`).
+        self._losses: list[torch.Tensor] = []
+        self._norms: list[torch.Tensor] = []
+        self._pending_from = 0
+        self._dtypes: list[torch.dtype] = []
+        self._finite = torch.zeros((), dtype=torch.float64, device=device)
 
     def end_step(
         self,
@@ -51,19 +68,24 @@ class DivergenceGuard:
         grad_norm: torch.Tensor | None,
         skipped: bool = False,
     ) -> None:
-        """Record `step` where its loss (the sum of its micro-batches' `losses`: finite only if
-        every term is) or gradient norm, when computed, is first non-finite; a step skipped for
-        its non-finite gradients (train.on_nonfinite=skip) is not recorded."""
+        """Keep `step`'s values aside: its loss (the sum of its micro-batches' `losses`: finite
+        only if every term is) and gradient norm, when computed; a step skipped for its
+        non-finite gradients (train.on_nonfinite=skip) is not recorded."""
         if skipped or not losses:
             return
-        loss = losses[0].detach()
-        for more in losses[1:]:
-            loss = loss + more.detach()
-        if grad_norm is not None and self.watch_gradients:
-            values = torch.stack([loss.double(), grad_norm.detach().double()])
-            self._mark(slice(0, 2), values, step)
-        else:
-            self._mark(slice(0, 1), loss.double().reshape(1), step)
+        pending = len(self._norms)
+        dtypes = [loss.dtype for loss in losses]
+        if pending and (
+            step != self._pending_from + pending
+            or dtypes != self._dtypes
+            or pending >= self.PENDING_STEPS
+        ):
+            self._check_pending()
+        if not self._norms:
+            self._pending_from, self._dtypes = step, dtypes
+        self._losses.extend(map(detached, losses))
+        watched = grad_norm is not None and self.watch_gradients
+        self._norms.append(detached(grad_norm) if watched else self._finite)
 
     def check_weights(self, step: int, modules: Iterable[torch.nn.Module]) -> None:
         """Record `step` if any parameter or buffer of `modules` is not finite (before a save:
@@ -82,8 +104,23 @@ class DivergenceGuard:
         marks = torch.where(values.isfinite(), math.inf, float(step))
         torch.minimum(self._first[fields], marks, out=self._first[fields])
 
+    def _check_pending(self) -> None:
+        """Record the first non-finite loss and gradient norm of the steps kept aside, on the
+        device, in a few operations however many steps wait."""
+        steps = len(self._norms)
+        if not steps:
+            return
+        losses = torch.stack(self._losses).view(steps, -1).sum(dim=1)
+        values = torch.stack([losses.double(), torch.stack(self._norms).double()], dim=1)
+        first = self._pending_from
+        numbers = torch.arange(first, first + steps, dtype=torch.float64, device=self.device)
+        marks = torch.where(values.isfinite(), math.inf, numbers[:, None])
+        torch.minimum(self._first[:2], marks.amin(dim=0), out=self._first[:2])
+        self._losses, self._norms = [], []
+
     def record(self) -> torch.Tensor:
         """This rank's first non-finite steps (0: none), for the trainer's gather."""
+        self._check_pending()
         return torch.nan_to_num(self._first, posinf=0.0)
 
     @staticmethod

@@ -68,12 +68,14 @@ class StepLoss:
         self.is_sum: bool | None = None
         #: This step's micro-batch losses, as the task returned them.
         self.losses: list[MicroLoss] = []
+        self._values: list[torch.Tensor] | None = None
         self._count: torch.Tensor | None = None
         self._reducing: dist.Work | None = None
 
     def start(self) -> None:
         """Forget the previous step's losses."""
         self.losses = []
+        self._values = None
         self._count = None
         self._reducing = None
 
@@ -108,15 +110,18 @@ class StepLoss:
     def add_to(self, window: WindowSums) -> None:
         """What the next log line reports: the step's losses and components with their counts
         (a skipped step's are left out)."""
-        for loss in self.losses:
-            window.add("loss", loss.value)
+        for loss, value in zip(self.losses, self.values(), strict=True):
+            window.add("loss", value)
             window.add("count", 1 if loss.count is None else loss.count)
             for name, value in loss.parts.items():
                 window.add(f"part/{name}", value)
 
     def values(self) -> list[torch.Tensor]:
-        """The step's micro-batch losses, for the divergence guard."""
-        return [loss.value for loss in self.losses]
+        """The step's micro-batch losses, detached from their graph once for the log line's
+        window and the divergence guard (each keeps them past the step)."""
+        if self._values is None:
+            self._values = [loss.value.detach() for loss in self.losses]
+        return self._values
 
     def _same_form(self, loss: MicroLoss) -> MicroLoss:
         """The task's loss keeps one form (mean, or sum and count) for the whole run."""
@@ -138,6 +143,12 @@ class StepLoss:
         return torch.full((), float(count), dtype=torch.float64, device=self.device)
 
 
+def detached(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` without its autograd graph, to keep past the step that made it. One that has
+    none is returned as it is: a detach costs more than asking."""
+    return tensor.detach() if tensor.requires_grad else tensor
+
+
 class WindowSums:
     """Named sums over the micro-batches since the last log line.
 
@@ -154,7 +165,7 @@ class WindowSums:
 
     def add(self, name: str, value: torch.Tensor | float) -> None:
         if isinstance(value, torch.Tensor):
-            self._tensors.setdefault(name, []).append(value.detach())
+            self._tensors.setdefault(name, []).append(detached(value))
         else:
             self._numbers[name] = self._numbers.get(name, 0.0) + value
 
