@@ -292,6 +292,23 @@ def test_a_changed_shape_of_the_task_s_own_schedule_is_refused_at_resume(tmp_pat
         _trainer(tmp_path, SgdTokenTask, "train.max_steps=12").resume()
 
 
+def test_a_schedule_of_schedules_resumes_bitwise(tmp_path: Path) -> None:
+    """A linear warmup, then the cosine (SequentialLR): the schedules it holds keep their
+    progress in its state, which is no change of shape."""
+
+    class WarmupThenCosine(SgdTokenTask):
+        def build_scheduler(
+            self, optimizer: torch.optim.Optimizer, total_steps: int, optim: Any
+        ) -> torch.optim.lr_scheduler.LRScheduler:
+            lr = torch.optim.lr_scheduler
+            warmup = lr.LinearLR(optimizer, start_factor=0.1, total_iters=3)
+            cosine = lr.CosineAnnealingLR(optimizer, T_max=total_steps - 3)
+            return lr.SequentialLR(optimizer, [warmup, cosine], milestones=[3])
+
+    straight, resumed = _straight_and_resumed(tmp_path, WarmupThenCosine)
+    _assert_bitwise(_state(straight), _state(resumed))
+
+
 def test_a_group_option_the_optimizer_does_not_take_is_refused_by_name(tmp_path: Path) -> None:
     class AdamWithMomentum(TokenTask):
         def param_groups(self, model: torch.nn.Module) -> list[dict]:

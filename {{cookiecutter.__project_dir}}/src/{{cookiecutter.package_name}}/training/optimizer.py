@@ -245,12 +245,18 @@ def _require_same_schedule(scheduler: LRScheduler, built: AsBuilt) -> None:
         )
 
 
-def _shape(state: dict[str, Any]) -> dict[str, Any]:
-    return {
-        key: value
-        for key, value in state.items()
-        if key not in SCHEDULE_PROGRESS and not callable(value) and key != "lr_lambdas"
-    }
+def _shape(state: Any) -> Any:
+    """A scheduler's state without its progress, also inside the schedules that a SequentialLR
+    or ChainedScheduler holds."""
+    if isinstance(state, dict):
+        return {
+            key: _shape(value)
+            for key, value in state.items()
+            if key not in SCHEDULE_PROGRESS and not callable(value) and key != "lr_lambdas"
+        }
+    if isinstance(state, (list, tuple)):
+        return [_shape(value) for value in state]
+    return state
 
 
 def _option(key: str) -> str:
