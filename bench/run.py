@@ -527,9 +527,9 @@ def human(size: int) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--warmup-steps", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--warmup-steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--launches", type=int, default=3)
     parser.add_argument("--before", metavar="REF", help="also measure the Trainer of this commit")
     parser.add_argument("--output", type=Path, default=DOC, help="default: %(default)s")

@@ -407,10 +407,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--config", type=Path, default=DEFAULT_CONFIG, help="YAML config (default: %(default)s)"
     )
-    parser.add_argument("--warmup-steps", type=int, default=20, help="untimed steps per run")
-    parser.add_argument("--steps", type=int, default=50, help="timed steps per run")
+    parser.add_argument("--warmup-steps", type=int, default=10, help="untimed steps per run")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per run")
     parser.add_argument(
-        "--rounds", type=int, default=20, help="rounds of one run of each loop (default: 20)"
+        "--rounds", type=int, default=40, help="rounds of one run of each loop (default: 40)"
     )
     parser.add_argument(
         "--confidence", type=float, default=0.95, help="of the intervals (default: 0.95)"
