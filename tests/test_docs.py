@@ -95,12 +95,13 @@ def test_the_architecture_page_names_every_module_of_the_package_and_no_other() 
 
 
 def test_the_architecture_page_shows_the_step_as_the_trainer_has_it() -> None:
-    """The page's copy of `train_step` (its body but the docstring and the return) is the code."""
+    """The page's copy of `optimizer_step` (its body but the docstring and the return) is the
+    code."""
     source = (PACKAGE_DIR / "training" / "trainer.py").read_text()
-    step = source[source.index("    def train_step(") :]
+    step = source[source.index("    def optimizer_step(") :]
     body = step[step.index('"""\n', step.index('"""') + 3) + 4 : step.index("        return ")]
     code = textwrap.dedent(body).strip()
     page = (ROOT / "docs" / "architecture.md").read_text()
     shown = page[page.index("```python\n", page.index("### One step")) + 10 :]
     shown = shown[: shown.index("\n```")]
-    assert shown == code, "docs/architecture.md: copy train_step's body into 'One step'"
+    assert shown == code, "docs/architecture.md: copy optimizer_step's body into 'One step'"

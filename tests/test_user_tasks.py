@@ -19,6 +19,11 @@ config.py left beside it).
 - sgd_task.py (an optimizer and a schedule of its own: SGD with Nesterov momentum, group
   options of SGD's, a step-decay factor per step) runs the gradient tests (2 ranks == 1 rank ==
   accumulation, float64), the resume tests and the restart tests (ranks killed and restarted).
+- gan_task.py (a GAN with alternating updates: `Task.updates`, the discriminator's step then the
+  generator's, each with its own Adam and learning rate) runs the gradient tests (per update:
+  2 ranks == 1 rank == accumulation in float64, one all-reduce per update and step, the other
+  part under no_sync) and the restart tests (a rank raises, then one is killed; both optimizers
+  and the moving average end bitwise where an unbroken run ends).
 - hf_gpt2_task.py (a Hugging Face GPT2LMHeadModel from a tiny GPT2Config, no download) trains,
   crashes and resumes bitwise on 2 ranks, and an epoch's throughput adds up to its real tokens.
 
@@ -128,6 +133,21 @@ def test_a_task_with_sgd_and_a_schedule_of_its_own_trains_alike_on_any_world_siz
         f"tests/task/test_restart.py::{KILLED_AND_RESTARTED}",
     )
     assert "test_weights_are_bitwise_equal_to_an_unbroken_run" in cases
+
+
+def test_a_gan_with_alternating_updates_trains_alike_on_any_world_size_and_resumes(
+    tmp_path: Path,
+) -> None:
+    task = (USER_TASKS / "gan_task.py").read_text()
+    project, env, _ = project_with_task("User Gan Task", task, tmp_path)
+    cases = run_project_suite(
+        project,
+        env,
+        "tests/task/test_gradients.py",
+        f"tests/task/test_restart.py::{KILLED_AND_RESTARTED}",
+    )
+    assert "test_two_ranks_with_accumulation_equal_one_process_with_the_whole_batch" in cases
+    assert KILLED_AND_RESTARTED in cases
 
 
 #: Run in the project: one epoch of 8 steps on 256 sequences (each trained on once), then the

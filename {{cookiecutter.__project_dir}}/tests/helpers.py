@@ -242,6 +242,11 @@ def train_steps(trainer: Trainer, steps: int) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
 
 
+def optimizer_states(trainer: Trainer) -> dict[str | None, dict[str, Any]]:
+    """The state of each optimizer, by update (None: the one of a task without Task.updates)."""
+    return {update.name: update.optimizer.state_dict() for update in trainer.updates}
+
+
 def flat_grads(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([param.grad.detach().flatten() for param in model.parameters()]).clone()
 
@@ -260,8 +265,8 @@ def float64(task_class: type[Task]) -> type[Task]:
             model.train = lambda mode=True: model  # stays in eval mode
             return model
 
-        def training_loss(self, model: torch.nn.Module, batch: Any) -> Any:
-            return super().training_loss(model, as_float64(batch))
+        def training_loss(self, model: torch.nn.Module, batch: Any, **update: str) -> Any:
+            return super().training_loss(model, as_float64(batch), **update)
 
         def evaluation_sums(self, model: torch.nn.Module, batch: Any) -> Any:
             return super().evaluation_sums(model, as_float64(batch))

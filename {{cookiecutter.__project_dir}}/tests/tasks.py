@@ -10,6 +10,8 @@ They ignore the project's TaskConfig, so these tests hold whatever task.py the p
 - `FirstReleaseTask`: written against the first release's interface: no base class, a mean
   loss, `metric_names`, and none of the members added since.
 - `VocabularyTask`: a model sized by a file of its data, which it gives the export.
+- `TwoPlayerTask`: a GAN's alternating updates (`updates`): the critic's step, then the
+  generator's, each with an optimizer of its own.
 """
 
 from __future__ import annotations
@@ -238,3 +240,50 @@ class NumpyJitter(Dataset):
         inputs, label = self.dataset[index]
         noise = torch.from_numpy(numpy.random.normal(0.0, 0.1, size=inputs.shape))
         return inputs + noise.to(inputs.dtype), label
+
+
+class TwoPlayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        self.critic = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+class TwoPlayerTask(TaskBase):
+    """A GAN in miniature: each sample is a point and the generator's noise for it; the critic
+    learns to tell points from generated ones, then the generator learns to fool it. SGD for
+    the critic, Adam for the generator."""
+
+    updates = ("critic", "generator")
+
+    def __init__(self, config: Any, seed: int) -> None:
+        self.seed = seed
+
+    def build_model(self) -> nn.Module:
+        return TwoPlayers()
+
+    def build_datasets(self) -> tuple[Dataset, Dataset]:
+        generator = torch.Generator().manual_seed(self.seed)
+        points = torch.randn(300, 2, generator=generator) * 0.5 + 1.0
+        noise = torch.randn(300, 4, generator=generator)
+        return TensorDataset(points[:256], noise[:256]), TensorDataset(points[256:], noise[256:])
+
+    def build_optimizer(
+        self, param_groups: list[dict[str, Any]], optim: Any, update: str | None = None
+    ) -> torch.optim.Optimizer:
+        if update == "critic":
+            return torch.optim.SGD(param_groups, lr=optim.lr, momentum=0.9)
+        return torch.optim.Adam(param_groups, lr=optim.lr, betas=(0.5, 0.999))
+
+    def training_loss(self, model: Any, batch: Any, update: str | None = None) -> torch.Tensor:
+        points, noise = batch
+        if update == "critic":
+            with torch.no_grad():
+                fake = model.generator(noise)
+            return F.softplus(-model.critic(points)).mean() + F.softplus(model.critic(fake)).mean()
+        return F.softplus(-model.critic(model.generator(noise))).mean()
+
+    def evaluation_sums(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        points, noise = batch
+        fooled = model.critic(model.generator(noise)) > 0
+        return {"fooled": fooled.sum(), "count": torch.tensor(len(points))}

@@ -14,8 +14,9 @@ Contract versions (`CONTRACT_VERSION`); a task written for an earlier one keeps 
    and a count or named components; per-metric counts and derived metrics; `param_groups`,
    `collate`, `units`, `state_dict`/`load_state_dict`, `test_settings`, `whole_batch_loss`,
    what the task gives the export (`model_settings`/`load_model_settings` and
-   `export_files`), and `build_optimizer` and `build_scheduler`: any torch optimizer and
-   schedule (the defaults: AdamW and warmup-cosine, as before).
+   `export_files`), `build_optimizer` and `build_scheduler`: any torch optimizer and
+   schedule (the defaults: AdamW and warmup-cosine, as before), and `updates`: parts of the
+   model trained apart, each by its own optimizer on its own loss (a GAN).
 """
 
 from __future__ import annotations
@@ -64,6 +65,13 @@ class TaskBase:
     #: other losses, so a batch split that needs it is refused, naming the micro-batch size
     #: that avoids it.
     whole_batch_loss: bool = False
+    #: The updates of one step, in order, for a model whose parts train apart: each names a
+    #: submodule of the model (an attribute of it), trained by an optimizer of its own on the
+    #: loss `training_loss` returns for it, over the step's same micro-batches. A GAN:
+    #: ("discriminator", "generator"). Each part is wrapped in DDP on its own. `training_loss`,
+    #: `param_groups`, `build_optimizer` and `build_scheduler` then get the update's name as
+    #: the keyword `update`. Empty: one update of the whole model.
+    updates: Sequence[str] = ()
 
     # --- required ---------------------------------------------------------------------------
 
@@ -87,6 +95,14 @@ class TaskBase:
           while its scale backs off.)
         - A dict with "loss" (a mean, or a sum when "count" is given), optionally "count", and
           any other scalar components (they are logged as train/<name>, not trained on).
+
+        DDP all-reduces the gradients of a backward through its own forward only: call `model`
+        (`model(batch)`), never a method of what it wraps (`model.module.f(...)`). In a task
+        with `updates`, it is called as `training_loss(model, batch, update=name)` once per
+        update and micro-batch, and `model` holds each part as DDP wraps it, by name
+        (`model.generator(noise)`; other attributes are the model's own): the loss of `name`
+        trains only that part's parameters, and the gradients it leaves in the others are
+        dropped.
         """
         raise NotImplementedError
 
@@ -123,17 +139,18 @@ class TaskBase:
             metrics[name] = total / count if count else math.nan
         return metrics
 
-    def param_groups(self, model: nn.Module) -> list[dict[str, Any]]:
+    def param_groups(self, model: nn.Module, update: str | None = None) -> list[dict[str, Any]]:
         """The optimizer's parameter groups: {"params": [...], and any option of the optimizer}.
 
         A group's own options (weight_decay=0.0 for biases and norms, a lower lr) win over the
         optim.* settings, also when those change on resume. A "name" key names the group in
-        the log. Every parameter that requires a gradient must be in exactly one group.
+        the log. Every parameter that requires a gradient must be in exactly one group. In a
+        task with `updates`, `model` is the update's part and `update=` its name.
         """
         return [{"params": list(model.parameters())}]
 
     def build_optimizer(
-        self, param_groups: list[dict[str, Any]], optim: OptimConfig
+        self, param_groups: list[dict[str, Any]], optim: OptimConfig, update: str | None = None
     ) -> torch.optim.Optimizer:
         """The optimizer over `param_groups` (this task's, in order); the default is AdamW with
         optim.lr, optim.betas and optim.weight_decay.
@@ -141,7 +158,8 @@ class TaskBase:
         Return any `torch.optim.Optimizer` (SGD with momentum, or one from another library) over
         these groups, in this order. Its state is saved in every checkpoint and resumes bitwise;
         a group option it does not take is refused by name. On resume, each group follows the
-        options this method gives it now, where they differ from the checkpoint's.
+        options this method gives it now, where they differ from the checkpoint's. In a task
+        with `updates`, it is called once per update, with `update=` its name.
         """
         on_cuda = all(param.is_cuda for group in param_groups for param in group["params"])
         return torch.optim.AdamW(
@@ -153,7 +171,11 @@ class TaskBase:
         )
 
     def build_scheduler(
-        self, optimizer: torch.optim.Optimizer, total_steps: int, optim: OptimConfig
+        self,
+        optimizer: torch.optim.Optimizer,
+        total_steps: int,
+        optim: OptimConfig,
+        update: str | None = None,
     ) -> LRScheduler:
         """The learning-rate schedule, stepped once per optimizer step; the default is a linear
         warmup over optim.warmup_steps, then a cosine decay to optim.min_lr_ratio at the last
@@ -161,7 +183,8 @@ class TaskBase:
 
         A factor per step is `LambdaLR(optimizer, lambda step: ...)`, which a resume re-shapes
         from the current settings as it does the default. Any other torch LRScheduler resumes
-        from its saved state; a change of its shape at resume is refused by name.
+        from its saved state; a change of its shape at resume is refused by name. In a task
+        with `updates`, it is called once per update, with `update=` its name.
         """
         return LambdaLR(
             optimizer,

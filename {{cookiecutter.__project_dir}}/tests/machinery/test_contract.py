@@ -28,7 +28,7 @@ from {{ cookiecutter.package_name }}.monitoring.metrics import read_metrics
 from {{ cookiecutter.package_name }}.training.trainer import Trainer
 
 from ..helpers import FAST, make_trainer, train_steps
-from ..tasks import FirstReleaseTask, SgdTokenTask, TokenTask, VocabularyTask
+from ..tasks import FirstReleaseTask, SgdTokenTask, TokenTask, TwoPlayerTask, VocabularyTask
 
 pytestmark = [pytest.mark.own_tasks, pytest.mark.timeout(120)]
 
@@ -395,3 +395,65 @@ def test_an_export_file_named_by_a_path_is_refused_by_name(
     monkeypatch.setattr(VocabularyTask, "export_files", lambda self: {"../v.txt": self.path})
     with pytest.raises(WeightsError, match=r"names '\.\./v\.txt': give each file a plain"):
         _export(VocabularyTask, tmp_path / "run")
+
+
+def test_alternating_updates_train_and_resume_bitwise_with_each_optimizer_s_state(
+    tmp_path: Path,
+) -> None:
+    straight, resumed = _straight_and_resumed(tmp_path, TwoPlayerTask)
+    _assert_bitwise(_state(straight), _state(resumed))
+    optimizers = {update.name: update.optimizer for update in resumed.updates}
+    assert isinstance(optimizers["critic"], torch.optim.SGD)
+    assert isinstance(optimizers["generator"], torch.optim.Adam)
+    for before, after in zip(straight.updates, resumed.updates, strict=True):
+        for index, state in before.optimizer.state_dict()["state"].items():
+            _assert_bitwise(state, after.optimizer.state_dict()["state"][index])
+        assert before.scheduler.state_dict() == after.scheduler.state_dict()
+
+
+def test_each_update_s_loss_lr_and_gradient_norm_are_logged(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, TwoPlayerTask, "optim.grad_clip=1.0")
+    trainer.fit()
+    logged = [record for record in read_metrics(tmp_path) if "step" in record]
+    keys = set().union(*logged)
+    for update in ("critic", "generator"):
+        assert {f"train/{update}/{name}" for name in ("loss", "lr", "grad_norm")} <= keys
+    assert "train/loss" not in keys and "eval/fooled" in keys
+
+
+def test_the_optimizer_of_a_task_with_updates_is_asked_for_by_update(tmp_path: Path) -> None:
+    with pytest.raises(AttributeError, match=r"several updates .* trainer\.updates"):
+        _trainer(tmp_path, TwoPlayerTask).optimizer  # noqa: B018
+
+
+def test_an_update_that_names_no_part_of_the_model_is_refused(tmp_path: Path) -> None:
+    class Misnamed(TwoPlayerTask):
+        updates = ("discriminator", "generator")
+
+    with pytest.raises(ConfigError, match=r"'discriminator', which is not a submodule"):
+        _trainer(tmp_path, Misnamed)
+
+
+def test_a_parameter_that_no_update_trains_is_named(tmp_path: Path) -> None:
+    class CriticOnly(TwoPlayerTask):
+        updates = ("critic",)
+
+    with pytest.raises(ConfigError, match=r"in none: generator\.0\.weight"):
+        _trainer(tmp_path, CriticOnly)
+
+
+def test_a_checkpoint_of_other_updates_is_refused_at_resume(tmp_path: Path) -> None:
+    class Together(TwoPlayerTask):
+        """Both players on the sum of their losses, with one optimizer."""
+
+        updates = ()
+
+        def training_loss(self, model: Any, batch: Any, update: str | None = None) -> Any:
+            return sum(
+                TwoPlayerTask.training_loss(self, model, batch, u) for u in ("critic", "generator")
+            )
+
+    _trainer(tmp_path, Together, "train.max_steps=2").fit()
+    expected = r"one optimizer for the whole model, and the task now trains updates critic, gen"
+    with pytest.raises(ResumeError, match=expected):
+        _trainer(tmp_path, TwoPlayerTask, "train.max_steps=2").resume()

@@ -20,8 +20,8 @@ def _first_step_grad_norm(run_dir: Path, precision: str) -> float:
     )
     trainer = make_trainer(config)
     trainer.sampler.set_epoch(0)
-    grad_norm = trainer.train_step(iter(trainer.train_loader))
-    return grad_norm.item()
+    grad_norms = trainer.train_step(iter(trainer.train_loader))
+    return grad_norms["grad_norm"].item()
 
 
 def test_fp16_clips_the_unscaled_gradients(tmp_path: Path) -> None:

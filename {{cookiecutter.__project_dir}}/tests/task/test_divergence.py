@@ -46,7 +46,7 @@ train_step = Trainer.train_step
 def nan_once_on_rank_1(self, batches):
     if self.env.rank == 1 and self.step + 1 == 10 and not getattr(self, "poisoned", False):
         self.poisoned = True
-        poison_the_next_micro_batch(self.step_loss)
+        poison_the_next_micro_batch(self.updates[0].loss)
     return train_step(self, batches)
 
 
@@ -112,10 +112,10 @@ def test_a_learning_rate_that_blows_up_the_weights_stops_the_run_at_a_log_line(
 class _NanOnRankOne(Trainer):
     """Rank 1's first micro-batch of step 3 gives a NaN loss."""
 
-    def train_step(self, batches: Iterator[Any]) -> torch.Tensor | None:
+    def train_step(self, batches: Iterator[Any]) -> dict[str, torch.Tensor]:
         if self.env.rank == 1 and self.step + 1 == 3 and not getattr(self, "poisoned", False):
             self.poisoned = True
-            poison_the_next_micro_batch(self.step_loss)
+            poison_the_next_micro_batch(self.updates[0].loss)
         return super().train_step(batches)
 
 

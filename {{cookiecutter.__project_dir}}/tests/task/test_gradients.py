@@ -87,7 +87,8 @@ def _record_communication(rank: int, world_size: int, run_dir: Path) -> dict[int
 
 
 def _record_one(rank: int, world_size: int, run_dir: Path, k: int) -> dict:
-    """When gradients are all-reduced, and the gradients before and after, with K = k."""
+    """When gradients are all-reduced, and the gradients before and after, with K = k: per
+    update (one, unless the task has Task.updates, each with a DDP wrapper of its own)."""
     config = load_config(
         None,
         [
@@ -99,28 +100,32 @@ def _record_one(rank: int, world_size: int, run_dir: Path, k: int) -> dict:
     )
     task = Task(config.task, seed=config.run.seed)
     trainer = make_trainer(config, env_for(rank, world_size), task)
+    parts = {update.name: update.module for update in trainer.updates}
     micro_step = -1
-    rounds: set[tuple[int, int]] = set()
+    rounds: set[tuple[str | None, int, int]] = set()
     before_last: list[torch.Tensor] = []
-    at_step: list[torch.Tensor] = []
+    at_step: dict[str | None, list[torch.Tensor]] = {name: [] for name in parts}
 
     # DDP checks a hook's annotations against its own types: leave this one unannotated.
-    def counting_allreduce(state, bucket):
-        rounds.add((len(at_step), micro_step))
+    def counting_allreduce(name, bucket):
+        rounds.add((name, len(at_step[name]), micro_step))
         return default_hooks.allreduce_hook(None, bucket)
 
-    def loss_with_probe(model: torch.nn.Module, batch: object) -> torch.Tensor:
+    def loss_with_probe(model: torch.nn.Module, batch: object, **update: str) -> object:
         nonlocal micro_step
         micro_step = (micro_step + 1) % k
         if k > 1 and micro_step == k - 1:
-            before_last.append(flat_grads(trainer.model))
-        return Task.training_loss(task, model, batch)
+            before_last.append(flat_grads(parts[update.get("update")]))
+        return Task.training_loss(task, model, batch, **update)
 
-    trainer.ddp.register_comm_hook(None, counting_allreduce)
     task.training_loss = loss_with_probe
-    trainer.optimizer.register_step_pre_hook(lambda *_: at_step.append(flat_grads(trainer.model)))
+    for update in trainer.updates:
+        update.ddp.register_comm_hook(update.name, counting_allreduce)
+        update.optimizer.register_step_pre_hook(
+            lambda *_, name=update.name: at_step[name].append(flat_grads(parts[name]))
+        )
     train_steps(trainer, STEPS)
-    return {"rounds": sorted(rounds), "before_last": before_last, "at_step": at_step}
+    return {"rounds": rounds, "before_last": before_last, "at_step": at_step}
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +138,9 @@ def communication(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 def test_one_allreduce_round_per_optimizer_step(communication: list[dict], k: int) -> None:
     """Gradients are reduced only during the last micro-step of each optimizer step."""
     for rank_records in communication:
-        assert rank_records[k]["rounds"] == [(step, k - 1) for step in range(STEPS)]
+        names = rank_records[k]["at_step"]
+        expected = {(name, step, k - 1) for name in names for step in range(STEPS)}
+        assert rank_records[k]["rounds"] == expected
 
 
 @pytest.mark.parametrize("k", [2, 4])
@@ -148,7 +155,8 @@ def test_gradients_stay_local_until_the_last_micro_step(communication: list[dict
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_gradients_are_identical_at_the_optimizer_step(communication: list[dict], k: int) -> None:
     """After the last micro-step the all-reduced gradients are bitwise equal on every rank."""
-    steps = list(zip(communication[0][k]["at_step"], communication[1][k]["at_step"], strict=True))
-    assert len(steps) == STEPS
-    for left, right in steps:
-        assert torch.equal(left, right)
+    for name, left_steps in communication[0][k]["at_step"].items():
+        steps = list(zip(left_steps, communication[1][k]["at_step"][name], strict=True))
+        assert len(steps) == STEPS
+        for left, right in steps:
+            assert torch.equal(left, right)

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR
 from torch.optim.swa_utils import AveragedModel
 
 from .. import __version__
@@ -36,7 +35,8 @@ from ..monitoring.throughput import StepMeter
 from ..training import rng
 from ..training.divergence import SkipPolicy
 from ..training.losses import WindowSums
-from ..training.optimizer import AsBuilt, follow_settings
+from ..training.optimizer import follow_settings
+from ..training.updates import Update
 from .background_save import BackgroundSaver, CompletedSave
 from .best import BestCheckpoint
 from .checkpoint import (
@@ -64,9 +64,8 @@ class TrainingState:
     each save and loads into them on resume; the Trainer trains them in between."""
 
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: LambdaLR
-    scaler: torch.amp.GradScaler
+    #: Each optimizer with its schedule and loss scaler (one, unless the task has updates).
+    updates: list[Update]
     ema: AveragedModel | None
     task: TaskBase
     sampler: ResumableDistributedSampler
@@ -74,9 +73,6 @@ class TrainingState:
     skips: SkipPolicy
     #: This rank's share of the log line's sums: in its rank file, so that resumed logs match.
     window: WindowSums
-    #: The options each parameter group sets itself (optimizer.py): they outlive a resume.
-    own_group_options: list[dict[str, Any]]
-    as_built: AsBuilt
     steps_per_epoch: int
     accumulation_steps: int
 
@@ -123,9 +119,7 @@ class Checkpointer:
         state = self.state
         return {
             "model": state.model.state_dict(),
-            "optimizer": state.optimizer.state_dict(),
-            "scheduler": state.scheduler.state_dict(),
-            "scaler": state.scaler.state_dict(),
+            **_updates_state(state.updates),
             "step": step,
             "epoch": step // state.steps_per_epoch,
             "step_in_epoch": step % state.steps_per_epoch,
@@ -273,8 +267,10 @@ class Checkpointer:
             return None
         state, announce = loaded.state, self.env.is_main
         changes = changed_settings(state["config"], self.config.to_dict())
-        built = self.state.as_built
-        own = not (built.default_optimizer and built.default_schedule)
+        own = not all(
+            update.as_built.default_optimizer and update.as_built.default_schedule
+            for update in self.state.updates
+        )
         check_changes(changes, loaded.path, announce, own_optimizer=own)
         self._restore(state, loaded.path, announce)
         step = state["step"]
@@ -316,22 +312,15 @@ class Checkpointer:
         current settings where they set none of their own."""
         state = self.state
         state.model.load_state_dict(saved["model"])
-        try:
-            state.optimizer.load_state_dict(saved["optimizer"])
-        except ValueError as error:  # other groups, or groups of other sizes
-            before = [len(group["params"]) for group in saved["optimizer"]["param_groups"]]
-            now = [len(group["params"]) for group in state.optimizer.param_groups]
-            raise ResumeError(
-                f"cannot resume {path}: its optimizer has parameter groups of {before} "
-                f"tensors, and the task's param_groups now makes groups of {now} ({error}). "
-                "Restore the task's param_groups, or start a new run with another run.dir."
-            ) from error
-        state.scheduler.load_state_dict(saved["scheduler"])
-        if saved["scaler"]:  # empty when saved without fp16 loss scaling
-            state.scaler.load_state_dict(saved["scaler"])
-        follow_settings(
-            state.optimizer, state.scheduler, state.as_built, state.own_group_options, announce
-        )
+        for update in state.updates:
+            _restore_update(update, _saved_update(saved, update, state.updates, path), path)
+            follow_settings(
+                update.optimizer,
+                update.scheduler,
+                update.as_built,
+                update.own_group_options,
+                announce,
+            )
         self._resume_ema(saved.get("ema"), announce)
         state.best.load_state_dict(saved.get("best"), announce)
         state.skips.skipped = saved.get("skipped_steps", 0)
@@ -396,6 +385,62 @@ class Checkpointer:
         if self.state.ema is not None:
             export_weights(self.state.ema.module, local_dir, config_yaml, name="model_ema")
         log.info("exported the weights to %s", path.parent)
+
+
+def _updates_state(updates: list[Update]) -> dict[str, Any]:
+    """The optimizers, schedules and loss scalers: the one update's as they are, or each of
+    `Task.updates`'s by name (with the names, in order, under "updates")."""
+    states = {
+        "optimizer": {u.name: u.optimizer.state_dict() for u in updates},
+        "scheduler": {u.name: u.scheduler.state_dict() for u in updates},
+        "scaler": {u.name: u.scaler.state_dict() for u in updates},
+    }
+    if updates[0].name is None:
+        return {key: value[None] for key, value in states.items()}
+    return {**states, "updates": [update.name for update in updates]}
+
+
+def _saved_update(
+    saved: dict[str, Any], update: Update, updates: list[Update], path: Path
+) -> dict[str, Any]:
+    """The optimizer, schedule and loss scaler a checkpoint holds for `update`; ResumeError
+    when the checkpoint's updates are not the task's."""
+    names = [u.name for u in updates if u.name is not None]
+    before = saved.get("updates", [])
+    if before != names:
+        raise ResumeError(
+            f"cannot resume {path}: it was saved with "
+            f"{_describe_updates(before)}, and the task now trains {_describe_updates(names)} "
+            "(Task.updates). Restore the task's updates, or start a new run with another "
+            "run.dir."
+        )
+    if update.name is None:
+        return {key: saved[key] for key in ("optimizer", "scheduler", "scaler")}
+    return {key: saved[key][update.name] for key in ("optimizer", "scheduler", "scaler")}
+
+
+def _describe_updates(names: list[str]) -> str:
+    if not names:
+        return "one optimizer for the whole model"
+    return f"updates {', '.join(names)}"
+
+
+def _restore_update(update: Update, saved: dict[str, Any], path: Path) -> None:
+    """Load one update's optimizer, schedule and loss scaler."""
+    try:
+        update.optimizer.load_state_dict(saved["optimizer"])
+    except ValueError as error:  # other groups, or groups of other sizes
+        before = [len(group["params"]) for group in saved["optimizer"]["param_groups"]]
+        now = [len(group["params"]) for group in update.optimizer.param_groups]
+        of = "" if update.name is None else f" of {update.name}"
+        raise ResumeError(
+            f"cannot resume {path}: its optimizer{of} has parameter groups of {before} "
+            f"tensors, and the task's param_groups now makes groups of {now} ({error}). "
+            "Restore the task's param_groups, or start a new run with another run.dir."
+        ) from error
+    update.scheduler.load_state_dict(saved["scheduler"])
+    if saved["scaler"]:  # empty when saved without fp16 loss scaling
+        update.scaler.load_state_dict(saved["scaler"])
 
 
 def _window_state(rank_state: dict[str, Any], accumulation_steps: int) -> dict[str, torch.Tensor]:

@@ -166,15 +166,17 @@ class SkipPolicy:
         #: Steps skipped in the run (in every checkpoint).
         self.skipped = 0
 
-    def skips(self, step: int, grad_norm: torch.Tensor | None) -> bool:
-        """Whether `step` is skipped. Reads the norm, which waits for the device: the price of
+    def skips(self, step: int, grad_norm: torch.Tensor | None, update: str | None = None) -> bool:
+        """Whether `step` (of `update`, in a task with `Task.updates`: each is skipped on its
+        own, and counts) is skipped. Reads the norm, which waits for the device: the price of
         this policy, once per step."""
         if not self.enabled or grad_norm is None or bool(torch.isfinite(grad_norm)):
             return False
         self.skipped += 1
+        of = "" if update is None else f" of {update}"
         message = (
-            f"step {step}: the gradient norm is {grad_norm.item()}; the step is skipped on every "
-            f"rank ({self.skipped} skipped, at most {self.limit})"
+            f"step {step}: the gradient norm{of} is {grad_norm.item()}; the step{of} is skipped "
+            f"on every rank ({self.skipped} skipped, at most {self.limit})"
         )
         if self.skipped > self.limit:
             raise DivergenceError(

@@ -107,14 +107,15 @@ class StepLoss:
             same = [grad for grad in grads if grad.dtype == dtype]
             torch._foreach_mul_(same, factor.to(dtype))
 
-    def add_to(self, window: WindowSums) -> None:
+    def add_to(self, window: WindowSums, prefix: str = "") -> None:
         """What the next log line reports: the step's losses and components with their counts
-        (a skipped step's are left out)."""
+        (a skipped step's are left out), under the update's `prefix` ("" for the one update
+        of the whole model; `window_means`)."""
         for loss, value in zip(self.losses, self.values(), strict=True):
-            window.add("loss", value)
-            window.add("count", 1 if loss.count is None else loss.count)
+            window.add(f"{prefix}loss", value)
+            window.add(f"{prefix}count", 1 if loss.count is None else loss.count)
             for name, value in loss.parts.items():
-                window.add(f"part/{name}", value)
+                window.add(f"{prefix}part/{name}", value)
 
     def values(self) -> list[torch.Tensor]:
         """The step's micro-batch losses, detached from their graph once for the log line's
@@ -141,6 +142,24 @@ class StepLoss:
         if isinstance(count, torch.Tensor):
             return count.to(self.device, torch.float64)
         return torch.full((), float(count), dtype=torch.float64, device=self.device)
+
+
+def window_means(totals: dict[str, float], prefixes: list[str]) -> dict[str, float]:
+    """The log line's losses from the window's `totals`: each update's loss and components
+    (`StepLoss.add_to`, one update per prefix) as means over its micro-batches, or over its
+    counted items, named "train/<prefix>loss" and "train/<prefix><component>". An update whose
+    steps in the window were all skipped has none."""
+    means = {}
+    for prefix in prefixes:
+        if f"{prefix}loss" not in totals:
+            continue
+        count = totals[f"{prefix}count"]
+        means[f"train/{prefix}loss"] = totals[f"{prefix}loss"] / count
+        parts = f"{prefix}part/"
+        for name in sorted(totals):
+            if name.startswith(parts):
+                means[f"train/{prefix}{name.removeprefix(parts)}"] = totals[name] / count
+    return means
 
 
 def detached(tensor: torch.Tensor) -> torch.Tensor:

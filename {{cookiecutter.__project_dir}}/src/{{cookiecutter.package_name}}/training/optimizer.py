@@ -56,9 +56,14 @@ class AsBuilt:
 
 
 def build_optimizer(
-    task: TaskBase, model: nn.Module, groups: list[dict[str, Any]], optim: OptimConfig
+    task: TaskBase,
+    model: nn.Module,
+    groups: list[dict[str, Any]],
+    optim: OptimConfig,
+    **update: str,
 ) -> torch.optim.Optimizer:
-    """The task's optimizer over `groups` (its `param_groups`), checked.
+    """The task's optimizer over `groups` (its `param_groups` of `model`: the whole model, or
+    the part of the `update=` it is given, in a task with `Task.updates`), checked.
 
     Raises ConfigError when a parameter that requires a gradient is in no group (it would
     silently never train) or in more than one, when the optimizer is not one over these groups
@@ -67,7 +72,7 @@ def build_optimizer(
     """
     check_groups(model, groups)
     optimizer = task.build_optimizer(
-        [{**group, "params": list(group["params"])} for group in groups], optim
+        [{**group, "params": list(group["params"])} for group in groups], optim, **update
     )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(
@@ -86,10 +91,15 @@ def build_optimizer(
 
 
 def build_scheduler(
-    task: TaskBase, optimizer: torch.optim.Optimizer, total_steps: int, optim: OptimConfig
+    task: TaskBase,
+    optimizer: torch.optim.Optimizer,
+    total_steps: int,
+    optim: OptimConfig,
+    **update: str,
 ) -> LRScheduler:
-    """The task's schedule, checked: one the trainer can step once per optimizer step."""
-    scheduler = task.build_scheduler(optimizer, total_steps, optim)
+    """The task's schedule (of `update=`, in a task with `Task.updates`), checked: one the
+    trainer can step once per optimizer step."""
+    scheduler = task.build_scheduler(optimizer, total_steps, optim, **update)
     if isinstance(scheduler, ReduceLROnPlateau) or not isinstance(scheduler, LRScheduler):
         raise ConfigError(
             f"build_scheduler returned {type(scheduler).__name__}: return a torch LRScheduler "

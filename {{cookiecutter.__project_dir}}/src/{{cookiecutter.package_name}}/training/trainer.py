@@ -3,8 +3,10 @@ exact evaluation, and when to checkpoint.
 
 The task (task.py) supplies data, model, loss and metrics, through the contract of contract.py;
 this module owns how a step runs. One optimizer step consumes `accumulation_steps` micro-batches
-on every rank; gradients are all-reduced once, on the last of them. Saving, resuming and the
-export are the Checkpointer's (checkpointing/checkpointer.py), one call each.
+on every rank; gradients are all-reduced once, on the last of them. A task whose model has parts
+trained apart (`Task.updates`, a GAN) makes one such optimizer step per part, in order, over the
+step's same micro-batches (updates.py). Saving, resuming and the export are the Checkpointer's
+(checkpointing/checkpointer.py), one call each.
 """
 
 from __future__ import annotations
@@ -12,14 +14,15 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from ..checkpointing.background_save import BackgroundSaver
@@ -49,8 +52,9 @@ from ..monitoring.profiling import StepProfiler
 from ..monitoring.throughput import StepMeter, describe, peak_flops, window_figures
 from . import rng
 from .divergence import DivergenceGuard, SkipPolicy
-from .losses import StepLoss, WindowSums
+from .losses import StepLoss, WindowSums, window_means
 from .optimizer import as_built, build_optimizer, build_scheduler, own_options
+from .updates import ModelParts, Update, model_parts, sync_context
 
 log = logging.getLogger(__name__)
 
@@ -131,16 +135,17 @@ class Trainer:
                 pin_memory=device.type == "cuda", timeout_s=config.dist.barrier_timeout_s
             )
 
-        groups = self._build_model()
+        parts = self._build_model()
         self._build_data()
-        self._build_optimization(groups)
+        self._build_optimization(parts)
         self._build_accounting()
         self.checkpointer = self._build_checkpointer()
 
-    def _build_model(self) -> list[dict[str, Any]]:
-        """The task's model on the device, the same on every rank, wrapped in DDP (and
-        torch.compile); then each rank's own random streams. Returns the task's parameter
-        groups, as it made them: the options each sets itself outlive a resume."""
+    def _build_model(self) -> list[tuple[Any, ...]]:
+        """The task's model on the device, the same on every rank; each part an optimizer trains
+        (the whole model, or those of `Task.updates`) wrapped in DDP (and torch.compile); then
+        each rank's own random streams. Returns (name, part, DDP wrapper, what the loss calls,
+        the task's parameter groups as it made them) per update."""
         config, device = self.config, self.device
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = config.train.tf32
@@ -149,19 +154,20 @@ class Trainer:
         rng.seed_all(config.run.seed)
         self.model = self.task.build_model().to(device)
         self._announce_batch_norm()
-        groups = self.task.param_groups(self.model)
-        self.own_group_options = own_options(groups)
-        self.ddp: DistributedDataParallel | None = None
-        if self.env.world_size > 1:
-            # PowerSGD compresses only after the lr warmup, as its paper advises.
-            self.ddp = wrap_ddp(self.model, device, config.dist, config.optim.warmup_steps)
-        # What the step calls: the DDP wrapper (or the bare model on one rank), maybe compiled.
-        self.ddp_model: torch.nn.Module = self.ddp or self.model
-        if config.train.compile:
-            self.ddp_model = torch.compile(self.ddp_model)
+        parts = []
+        for name, module in model_parts(self.task, self.model):
+            groups = self.task.param_groups(module, **({} if name is None else {"update": name}))
+            ddp = None
+            if self.env.world_size > 1:
+                # PowerSGD compresses only after the lr warmup, as its paper advises.
+                ddp = wrap_ddp(module, device, config.dist, config.optim.warmup_steps)
+            call = ddp or module
+            if config.train.compile:
+                call = torch.compile(call)
+            parts.append((name, module, ddp, call, groups))
         # From here on each rank draws its own random numbers (dropout, augmentation).
         rng.seed_rank(config.run.seed, self.env.rank, self.step)
-        return groups
+        return parts
 
     def _build_data(self) -> None:
         """The task's data sets, checked and agreed on by every rank, and their loaders; the
@@ -207,19 +213,70 @@ class Trainer:
             train.max_steps if train.max_steps > 0 else train.epochs * self.steps_per_epoch
         )
 
-    def _build_optimization(self, groups: list[dict[str, Any]]) -> None:
-        """The task's optimizer over its groups and its schedule (AdamW and warmup-cosine by
-        default), mixed precision and the moving average."""
-        optim, train = self.config.optim, self.config.train
-        self.optimizer = build_optimizer(self.task, self.model, groups, optim)
-        self.scheduler = build_scheduler(self.task, self.optimizer, self.total_steps, optim)
-        self.as_built = as_built(self.task, self.optimizer, self.scheduler)
-        self.autocast_dtype = AUTOCAST_DTYPES[train.mixed_precision]
-        # Loss scaling only for fp16: bf16 has fp32's exponent range and needs none.
-        self.scaler = torch.amp.GradScaler(
-            self.device.type, enabled=train.mixed_precision == "fp16"
+    def _build_optimization(self, parts: list[tuple[Any, ...]]) -> None:
+        """Per update, the task's optimizer over its groups and its schedule (AdamW and
+        warmup-cosine by default) and loss scaling; mixed precision and the moving average."""
+        self.autocast_dtype = AUTOCAST_DTYPES[self.config.train.mixed_precision]
+        self.updates = [self._build_update(*part) for part in parts]
+        #: What training_loss calls in a task with updates: the parts as DDP wraps them.
+        self.parts = ModelParts(
+            self.model, {u.name: u.call for u in self.updates if u.name is not None}
         )
         self.ema = self._build_ema()
+
+    def _build_update(
+        self,
+        name: str | None,
+        module: torch.nn.Module,
+        ddp: DistributedDataParallel | None,
+        call: torch.nn.Module,
+        groups: list[dict[str, Any]],
+    ) -> Update:
+        optim, train = self.config.optim, self.config.train
+        keyword = {} if name is None else {"update": name}
+        optimizer = build_optimizer(self.task, module, groups, optim, **keyword)
+        scheduler = build_scheduler(self.task, optimizer, self.total_steps, optim, **keyword)
+        return Update(
+            name=name,
+            module=module,
+            ddp=ddp,
+            call=call,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            # Loss scaling only for fp16: bf16 has fp32's exponent range and needs none.
+            scaler=torch.amp.GradScaler(self.device.type, enabled=train.mixed_precision == "fp16"),
+            own_group_options=own_options(groups),
+            as_built=as_built(self.task, optimizer, scheduler),
+            loss=StepLoss(
+                self.accumulation_steps, self.micro_batch_size, train.global_batch_size, self.device
+            ),
+        )
+
+    # The objects of the one update of a task without `Task.updates`.
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._only_update().optimizer
+
+    @property
+    def scheduler(self) -> LRScheduler:
+        return self._only_update().scheduler
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler:
+        return self._only_update().scaler
+
+    @property
+    def ddp(self) -> DistributedDataParallel | None:
+        return self._only_update().ddp
+
+    def _only_update(self) -> Update:
+        if len(self.updates) > 1:
+            raise AttributeError(
+                "the task trains its model in several updates (Task.updates): each has its own "
+                "optimizer, schedule, loss scaler and DDP wrapper, in trainer.updates"
+            )
+        return self.updates[0]
 
     def _build_accounting(self) -> None:
         """What the steps keep account of: the log line's sums, the loss's scaling, the
@@ -230,9 +287,6 @@ class Trainer:
         # checkpoint so that resumed logs match.
         self.window = WindowSums(device)
         self.total_units = 0.0
-        self.step_loss = StepLoss(
-            self.accumulation_steps, self.micro_batch_size, train.global_batch_size, device
-        )
         # fp16's loss scaler skips the steps whose gradients overflow: only its losses count.
         self.guard = DivergenceGuard(device, watch_gradients=train.mixed_precision != "fp16")
         self.skips = SkipPolicy(
@@ -256,17 +310,13 @@ class Trainer:
         """The saves, the resume and the export, over the objects a checkpoint holds."""
         state = TrainingState(
             model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            scaler=self.scaler,
+            updates=self.updates,
             ema=self.ema,
             task=self.task,
             sampler=self.sampler,
             best=self.best,
             skips=self.skips,
             window=self.window,
-            own_group_options=self.own_group_options,
-            as_built=self.as_built,
             steps_per_epoch=self.steps_per_epoch,
             accumulation_steps=self.accumulation_steps,
         )
@@ -341,80 +391,105 @@ class Trainer:
             self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
         )
 
-    def _sync_context(self, last_micro_step: bool) -> AbstractContextManager:
-        # no_sync must cover forward AND backward: DDP prepares its gradient reduction in forward.
-        if last_micro_step or self.ddp is None:
-            return nullcontext()
-        return self.ddp.no_sync()
+    def train_step(self, batches: Iterator[Any]) -> dict[str, torch.Tensor]:
+        """One step: the optimizer step of each update, in order (one, for most tasks), over
+        the same `accumulation_steps` micro-batches; then the moving average, the non-finite
+        guard's record and the schedules.
 
-    def train_step(self, batches: Iterator[Any]) -> torch.Tensor | None:
-        """One optimizer step over `accumulation_steps` micro-batches, in nanoGPT's shape:
-        forward and backward of each (DDP all-reduces the gradients on the last only), then
-        unscale, clip, step, schedule. The loss's scaling over micro-batches and ranks is
-        losses.StepLoss's; the non-finite guard and skipping are divergence.py's.
-
-        Returns the gradient norm before clipping when it is computed anyway (clipping on) or
-        will be logged after this step, else None. Nothing in a step waits for the device
-        (fp16's inf/nan check and train.on_nonfinite=skip aside).
+        Returns the gradient norms before clipping (as "grad_norm", or "<update>/grad_norm")
+        where they are computed anyway (clipping on) or will be logged after this step.
         """
-        losses = self.step_loss
+        micro_batches = self._micro_batches(batches)
+        steps = [self.optimizer_step(update, micro_batches) for update in self.updates]
+        self.gradients_checked = True
+        norms = [norm for norm, skipped in steps if not skipped]
+        if self.ema is not None and norms:
+            self.ema.update_parameters(self.model)
+        losses = [
+            value
+            for update, (_, skipped) in zip(self.updates, steps, strict=True)
+            if not skipped
+            for value in update.loss.values()
+        ]
+        self.guard.end_step(self.step + 1, losses, _one_norm(norms), skipped=not norms)
+        for update in self.updates:
+            update.scheduler.step()
+        return {
+            f"{update.prefix}grad_norm": norm
+            for update, (norm, _) in zip(self.updates, steps, strict=True)
+            if norm is not None
+        }
+
+    def optimizer_step(
+        self, update: Update, micro_batches: Iterable[Any]
+    ) -> tuple[torch.Tensor | None, bool]:
+        """One optimizer step over the step's micro-batches, in nanoGPT's shape: forward and
+        backward of each (DDP all-reduces the gradients on the last only), then unscale, clip,
+        step. The loss's scaling over micro-batches and ranks is losses.StepLoss's; skipping
+        non-finite steps divergence.py's.
+
+        Returns the gradient norm before clipping when it is computed (else None), and whether
+        the step was skipped. Nothing in a step waits for the device (fp16's inf/nan check and
+        train.on_nonfinite=skip aside).
+        """
+        losses = update.loss
         losses.start()
         with unused_parameters_hint():
-            for micro_step in range(self.accumulation_steps):
+            for micro_step, batch in enumerate(micro_batches):
                 last = micro_step == self.accumulation_steps - 1
-                batch = self._next_batch(batches)
-                with self._sync_context(last_micro_step=last):
+                with sync_context(update, self.updates, last):
                     with self.autocast():
-                        loss = losses.add(self.task.training_loss(self.ddp_model, batch), last)
-                    self.scaler.scale(loss).backward()
-                self._count_units(batch)
-        self.scaler.unscale_(self.optimizer)  # the true gradients (fp16 scales the loss)
-        losses.rescale_gradients(self.model)
-        self._check_gradients_once()
-        grad_norm = self._clip_gradients()
-        skip = self.skips.skips(self.step + 1, grad_norm)
+                        loss = losses.add(self._training_loss(update, batch), last)
+                    update.scaler.scale(loss).backward()
+        update.scaler.unscale_(update.optimizer)  # the true gradients (fp16 scales the loss)
+        losses.rescale_gradients(update.module)
+        self._check_gradients_once(update)
+        grad_norm = self._clip_gradients(update.module)
+        skip = self.skips.skips(self.step + 1, grad_norm, update.name)
         if not skip:
-            self.scaler.step(self.optimizer)  # with fp16, skipped on every rank on inf/nan
-            self.scaler.update()
-            if self.ema is not None:
-                self.ema.update_parameters(self.model)
-            losses.add_to(self.window)
-        self.guard.end_step(self.step + 1, losses.values(), grad_norm, skipped=skip)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        return grad_norm
+            update.scaler.step(update.optimizer)  # with fp16, skipped on every rank on inf/nan
+            update.scaler.update()
+            losses.add_to(self.window, update.prefix)
+        update.optimizer.zero_grad(set_to_none=True)
+        if len(self.updates) > 1:
+            self.model.zero_grad(set_to_none=True)  # what this loss left in the other parts
+        return grad_norm, skip
+
+    def _training_loss(self, update: Update, batch: Any) -> Any:
+        if update.name is None:
+            return self.task.training_loss(update.call, batch)
+        return self.task.training_loss(self.parts, batch, update=update.name)
+
+    def _micro_batches(self, batches: Iterator[Any]) -> Iterable[Any]:
+        """The step's micro-batches: read as the one update trains on them, or at once when
+        several updates train on them."""
+        step = (self._next_batch(batches) for _ in range(self.accumulation_steps))
+        return step if len(self.updates) == 1 else list(step)
 
     def _next_batch(self, batches: Iterator[Any]) -> Any:
-        """The next micro-batch on the device; the wait for it is the log line's data wait."""
+        """The next micro-batch on the device, its throughput units counted (task.units, or
+        its samples); the wait for it is the log line's data wait."""
         waiting = time.perf_counter()
         batch = move_to_device(next(batches), self.device)
         self.meter.data_wait_s += time.perf_counter() - waiting
-        return batch
-
-    def _count_units(self, batch: Any) -> None:
-        """The throughput units of a micro-batch (task.units, or its samples)."""
         units = self.task.units(batch)
         self.window.add("units", self.units_per_micro_batch if units is None else units)
+        return batch
 
-    def _check_gradients_once(self) -> None:
+    def _check_gradients_once(self, update: Update) -> None:
         """At the first step of a launch: did DDP all-reduce the gradients? A task whose loss
         skips DDP's forward would train every rank alone."""
-        if self.gradients_checked:
-            return
-        self.gradients_checked = True
-        if self.ddp is not None:
-            ignored = getattr(self.ddp, "parameters_to_ignore", ())
-            check_gradients_reduced(self.model, self.step + 1, self.device, ignored)
+        if not self.gradients_checked and update.ddp is not None:
+            ignored = getattr(update.ddp, "parameters_to_ignore", ())
+            check_gradients_reduced(update.module, self.step + 1, self.device, ignored)
 
-    def _clip_gradients(self) -> torch.Tensor | None:
-        """Clip to optim.grad_clip (the norm before clipping); else the norm only when the skip
-        policy or the next log line needs it."""
+    def _clip_gradients(self, module: torch.nn.Module) -> torch.Tensor | None:
+        """Clip the gradients of `module` to optim.grad_clip (the norm before clipping); else the
+        norm only when the skip policy or the next log line needs it."""
         if self.config.optim.grad_clip > 0:
-            return torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(), self.config.optim.grad_clip
-            )
+            return torch.nn.utils.clip_grad_norm_(module.parameters(), self.config.optim.grad_clip)
         if self.skips.enabled or self._due(self.config.train.log_every, self.step + 1):
-            grads = [param.grad for param in self.model.parameters() if param.grad is not None]
+            grads = [param.grad for param in module.parameters() if param.grad is not None]
             return torch.nn.utils.get_total_norm(grads)
         return None
 
@@ -463,7 +538,7 @@ class Trainer:
         return status
 
     def _train_loop(self, progress: ProgressBar, profiler: StepProfiler) -> int:
-        self.ddp_model.train()
+        self.model.train()
         self.meter.start()
         while self.step < self.total_steps:
             epoch, step_in_epoch = divmod(self.step, self.steps_per_epoch)
@@ -473,12 +548,12 @@ class Trainer:
             for _ in range(step_in_epoch, self.steps_per_epoch):
                 if self.step >= self.total_steps:
                     break
-                grad_norm = self.train_step(batches)
+                grad_norms = self.train_step(batches)
                 self.step += 1
                 self.meter.steps += 1
                 profiler.step()
                 progress.update(self.step)
-                self._periodic(epoch, grad_norm)
+                self._periodic(epoch, grad_norms)
                 if self.best.exhausted:
                     return self._stop_early()
                 if self.stop.agreed_after_step():
@@ -526,7 +601,7 @@ class Trainer:
         )
         return self.stop.exit_status
 
-    def _periodic(self, epoch: int, grad_norm: torch.Tensor | None) -> None:
+    def _periodic(self, epoch: int, grad_norms: dict[str, torch.Tensor]) -> None:
         """What runs between steps on schedule. Every rank takes the same branches."""
         config = self.config
         if self.background is not None:
@@ -534,7 +609,7 @@ class Trainer:
         if config.dist.check_replicas_every and self._due(config.dist.check_replicas_every):
             check_replicas(self.model, self.step)
         if self._due(config.train.log_every):
-            self._log_train(epoch, grad_norm)
+            self._log_train(epoch, grad_norms)
         new_best = False
         if self._due(config.train.eval_every):
             record = {f"eval/{k}": v for k, v in self.evaluate().items()}
@@ -592,7 +667,7 @@ class Trainer:
         step = self.step if step is None else step
         return step % every == 0 or step == self.total_steps
 
-    def _log_train(self, epoch: int, grad_norm: torch.Tensor | None) -> None:
+    def _log_train(self, epoch: int, grad_norms: dict[str, torch.Tensor]) -> None:
         window = self.meter.window()
         self.meter.pause()
         # One collective per log line, gathered from every rank at the same step: the sums of
@@ -614,19 +689,16 @@ class Trainer:
             self.flops_per_step,
             self.peak_flops,
         )
-        # Means over the window: every micro-batch alike, or every counted item alike.
-        losses = {
-            f"train/{name.removeprefix('part/')}": totals[name] / totals["count"]
-            for name in names
-            if name == "loss" or name.startswith("part/")
-        }
-        values = {**losses, "train/lr": self.scheduler.get_last_lr()[0]}
+        losses = window_means(totals, [update.prefix for update in self.updates])
+        rates = {f"train/{u.prefix}lr": u.scheduler.get_last_lr()[0] for u in self.updates}
+        norms = {f"train/{name}": norm.item() for name, norm in grad_norms.items()}
+        values = {**losses, **rates, **norms}
         line = f"step {self.step}/{self.total_steps} | epoch {epoch} | "
         line += " | ".join(f"{name[6:]} {value:.4f}" for name, value in losses.items())
-        line += f" | lr {values['train/lr']:.2e}"
-        if grad_norm is not None:
-            values["train/grad_norm"] = grad_norm.item()
-            line += f" | grad norm {values['train/grad_norm']:.3f}"
+        line += "".join(f" | {name[6:]} {value:.2e}" for name, value in rates.items())
+        line += "".join(
+            f" | {name[6:].replace('_', ' ')} {value:.3f}" for name, value in norms.items()
+        )
         log.info("%s | %s", line, describe(figures, self.unit))
         self.metrics.log(self.step, {**values, **figures, "epoch": epoch})
         self.window.reset()
@@ -699,7 +771,7 @@ class Trainer:
             self.step,
             " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
         )
-        self.ddp_model.train()
+        self.model.train()
         self.meter.resume()
         return metrics
 
@@ -751,3 +823,12 @@ def best_evaluation(records: list[dict[str, Any]], best: BestConfig) -> str:
     if any(key.startswith("eval") for record in records for key in record):
         return f"evaluated, without {metric} (best.metric names the metric to report)"
     return "no evaluation yet"
+
+
+def _one_norm(norms: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The gradient norm the non-finite guard watches: the one update's, or the sum of
+    several's (finite only if each is)."""
+    if len(norms) == 1:
+        return norms[0]
+    present = [norm for norm in norms if norm is not None]
+    return torch.stack(present).sum() if present else None
