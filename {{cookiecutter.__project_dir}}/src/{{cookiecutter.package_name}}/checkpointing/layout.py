@@ -1,6 +1,6 @@
 """Where a run's checkpoints are and what they are called: the names and the listing that the
 writer (checkpoint.py), the choice of the checkpoint to resume (newest_intact.py), retention
-and the trainer share, kept in one place so that none of them spells a name its own way.
+and the rest of the package share, kept in one place so that none spells a name its own way.
 
 `<run.dir>/checkpoints/step_00000100/` is the checkpoint of step 100. It is assembled under a
 hidden name of its step and of the job that writes it (`.step_00000100.<job>.tmp`) and counts

@@ -1,10 +1,10 @@
 """Which checkpoint a resume loads: the newest one that every rank can load, agreed by all.
 
-Kept apart from reading one checkpoint (checkpoint.py) because it is a collective: which
-checkpoint to try, what the ranks' outcomes mean together, and which of them changes the run
-directory. Rank 0 chooses (its newest complete checkpoint) and every rank loads the same one,
-verified against its COMPLETE, or all of them go on to the previous one together; what each
-case does:
+Kept apart from reading one checkpoint (checkpoint.py), which a process does alone (as
+init.weights does): here the ranks agree on which checkpoint to try, on what their outcomes
+mean together, and on which of them changes the run directory. Rank 0 chooses (its newest
+complete checkpoint) and every rank loads the same one, verified against its COMPLETE, or all
+of them go on to the previous one together; what each case does:
 
 - a file missing, cut short, changed or in no readable format: the checkpoint is damaged, and
   moved aside as `step_NNNNNNNN.corrupt` (`.corrupt-2`, ... when that name is taken), never deleted;
