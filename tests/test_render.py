@@ -97,6 +97,7 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
     modules += ["loading/__init__", "monitoring/__init__", "training/__init__"]
     modules += [f"checkpointing/{name}" for name in ("background_save", "best", "checkpoint")]
     modules += ["checkpointing/checkpointer"]
+    modules += [f"checkpointing/{name}" for name in ("layout", "newest_intact", "retention")]
     modules += [f"checkpointing/{name}" for name in ("resume", "run_lock", "storage", "weights")]
     modules += [f"cluster/{name}" for name in ("agreement", "distributed", "network")]
     modules += [f"faults/{name}" for name in ("parent_watch", "signals", "stopping", "watchdog")]

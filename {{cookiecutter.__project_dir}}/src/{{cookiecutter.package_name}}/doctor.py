@@ -46,7 +46,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .checkpointing.checkpoint import checkpoint_size, latest_checkpoint
+from .checkpointing.checkpoint import checkpoint_size
+from .checkpointing.layout import latest_checkpoint
 from .checkpointing.run_lock import Holder
 from .checkpointing.storage import run_location, storage_of
 from .cluster import network

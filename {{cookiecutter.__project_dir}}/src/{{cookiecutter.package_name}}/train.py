@@ -23,13 +23,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .checkpointing.checkpoint import (
-    CheckpointSaveError,
-    new_job_token,
-    remove_foreign_staging,
-    restore_run_files,
-)
+from .checkpointing.checkpoint import CheckpointSaveError, restore_run_files
+from .checkpointing.layout import new_job_token
 from .checkpointing.resume import ResumeError, require_fresh_run_dir
+from .checkpointing.retention import remove_foreign_staging
 from .checkpointing.run_lock import EXIT_RUN_DIR_BUSY, RunDirBusyError, RunLock, owned_run_dir
 from .checkpointing.storage import Location, ObjectPath, local_dir_of, run_location
 from .checkpointing.weights import WeightsError

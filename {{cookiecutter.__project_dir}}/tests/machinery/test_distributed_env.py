@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }}.checkpointing.checkpoint import COMPLETE_MARKER, latest_checkpoint
+from {{ cookiecutter.package_name }}.checkpointing.layout import COMPLETE_MARKER, latest_checkpoint
 from {{ cookiecutter.package_name }}.cluster.distributed import (
     DistEnv,
     DistributedError,

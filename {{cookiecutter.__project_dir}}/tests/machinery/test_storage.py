@@ -16,17 +16,19 @@ import torch
 from {{ cookiecutter.package_name }}.checkpointing import run_lock
 from {{ cookiecutter.package_name }}.checkpointing import storage as storage_module
 from {{ cookiecutter.package_name }}.checkpointing.checkpoint import (
-    COMPLETE_MARKER,
     REQUIRED_STATE_KEYS,
     STATE_FILE,
     CheckpointReadError,
     CheckpointSaveError,
-    complete_checkpoints,
-    load_newest_intact,
     restore_run_files,
     save_checkpoint,
+)
+from {{ cookiecutter.package_name }}.checkpointing.layout import (
+    COMPLETE_MARKER,
+    complete_checkpoints,
     set_aside_checkpoints,
 )
+from {{ cookiecutter.package_name }}.checkpointing.newest_intact import load_newest_intact
 from {{ cookiecutter.package_name }}.checkpointing.run_lock import (
     LOCK_FILE,
     Holder,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from {{ cookiecutter.package_name }}.checkpointing import checkpoint as checkpoint_module
-from {{ cookiecutter.package_name }}.checkpointing.checkpoint import complete_checkpoints
+from {{ cookiecutter.package_name }}.checkpointing.layout import complete_checkpoints
 from {{ cookiecutter.package_name }}.cluster.distributed import gather_objects
 from {{ cookiecutter.package_name }}.config import load_config
 

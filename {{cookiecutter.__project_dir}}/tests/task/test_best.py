@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from {{ cookiecutter.package_name }}.checkpointing.best import BEST_FILE
-from {{ cookiecutter.package_name }}.checkpointing.checkpoint import complete_checkpoints
+from {{ cookiecutter.package_name }}.checkpointing.layout import complete_checkpoints
 from {{ cookiecutter.package_name }}.config import ConfigError, load_config
 from {{ cookiecutter.package_name }}.training.trainer import Trainer
 

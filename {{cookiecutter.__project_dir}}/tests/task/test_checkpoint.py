@@ -15,17 +15,19 @@ import torch
 
 from {{ cookiecutter.package_name }}.checkpointing import checkpoint as checkpoint_module
 from {{ cookiecutter.package_name }}.checkpointing.checkpoint import (
-    COMPLETE_MARKER,
     CheckpointSaveError,
     CorruptCheckpointError,
-    complete_checkpoints,
-    latest_checkpoint,
     load_checkpoint,
-    remove_foreign_staging,
     save_checkpoint,
     save_timeout_s,
 )
+from {{ cookiecutter.package_name }}.checkpointing.layout import (
+    COMPLETE_MARKER,
+    complete_checkpoints,
+    latest_checkpoint,
+)
 from {{ cookiecutter.package_name }}.checkpointing.resume import ResumeError
+from {{ cookiecutter.package_name }}.checkpointing.retention import remove_foreign_staging
 from {{ cookiecutter.package_name }}.cluster.distributed import DistEnv
 from {{ cookiecutter.package_name }}.config import Config, load_config
 from {{ cookiecutter.package_name }}.monitoring.metrics import MetricsLogger, read_metrics

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from {{ cookiecutter.package_name }}.checkpointing import checkpoint as checkpoint_module
-from {{ cookiecutter.package_name }}.checkpointing.checkpoint import CheckpointSaveError, complete_checkpoints
+from {{ cookiecutter.package_name }}.checkpointing import newest_intact
+from {{ cookiecutter.package_name }}.checkpointing.checkpoint import CheckpointSaveError
+from {{ cookiecutter.package_name }}.checkpointing.layout import complete_checkpoints
 from {{ cookiecutter.package_name }}.checkpointing.resume import ResumeError
 from {{ cookiecutter.package_name }}.config import Config, load_config
 from {{ cookiecutter.package_name }}.monitoring.metrics import read_metrics
@@ -139,14 +141,14 @@ def _rank_1_listing_lags(
     config = _checkpoints_of_steps_2_and_4(rank, world_size, run_dir)
     if rank == 1:
         listings = itertools.count()
-        complete = checkpoint_module.complete_checkpoints
+        complete = newest_intact.complete_checkpoints
 
         def lagging(run_dir: Path) -> list[Path]:
             found = complete(run_dir)
             return found[:-1] if next(listings) < lagging_listings else found
 
-        checkpoint_module.complete_checkpoints = lagging
-        checkpoint_module.LISTING_WAIT_S = 1.0
+        newest_intact.complete_checkpoints = lagging
+        newest_intact.LISTING_WAIT_S = 1.0
     return _resume(config, rank, world_size)
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from {{ cookiecutter.package_name }}.checkpointing.checkpoint import complete_checkpoints
+from {{ cookiecutter.package_name }}.checkpointing.layout import complete_checkpoints
 from {{ cookiecutter.package_name }}.cluster.distributed import ReplicaMismatchError
 from {{ cookiecutter.package_name }}.config import ConfigError, load_config
 from {{ cookiecutter.package_name }}.task import Task

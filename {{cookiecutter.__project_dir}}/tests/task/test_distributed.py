@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from {{ cookiecutter.package_name }}.checkpointing.checkpoint import (
-    latest_checkpoint,
-    load_checkpoint,
-)
+from {{ cookiecutter.package_name }}.checkpointing.checkpoint import load_checkpoint
+from {{ cookiecutter.package_name }}.checkpointing.layout import latest_checkpoint
 from {{ cookiecutter.package_name }}.config import load_config
 from {{ cookiecutter.package_name }}.monitoring.metrics import read_metrics
 

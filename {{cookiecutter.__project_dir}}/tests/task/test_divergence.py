@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }}.checkpointing.checkpoint import complete_checkpoints
+from {{ cookiecutter.package_name }}.checkpointing.layout import complete_checkpoints
 from {{ cookiecutter.package_name }}.config import load_config
 from {{ cookiecutter.package_name }}.monitoring.metrics import read_metrics
 from {{ cookiecutter.package_name }}.training.divergence import DivergenceError

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from {{ cookiecutter.package_name }}.checkpointing.checkpoint import COMPLETE_MARKER, latest_checkpoint
+from {{ cookiecutter.package_name }}.checkpointing.layout import COMPLETE_MARKER, latest_checkpoint
 from {{ cookiecutter.package_name }}.checkpointing.run_lock import LOCK_FILE
 
 from ..helpers import FAST, run_torchrun, write_fault_entry

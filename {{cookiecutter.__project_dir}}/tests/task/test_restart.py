@@ -19,7 +19,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from {{ cookiecutter.package_name }}.checkpointing.checkpoint import latest_checkpoint, load_checkpoint
+from {{ cookiecutter.package_name }}.checkpointing.checkpoint import load_checkpoint
+from {{ cookiecutter.package_name }}.checkpointing.layout import latest_checkpoint
 from {{ cookiecutter.package_name }}.config import load_config
 from {{ cookiecutter.package_name }}.task import Task
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import {{ cookiecutter.package_name }}.config as config_module
-from {{ cookiecutter.package_name }}.checkpointing.checkpoint import complete_checkpoints
+from {{ cookiecutter.package_name }}.checkpointing.layout import complete_checkpoints
 from {{ cookiecutter.package_name }}.checkpointing.resume import ResumeError
 from {{ cookiecutter.package_name }}.config import Config, load_config
 from {{ cookiecutter.package_name }}.contract import TaskBase, warmup_cosine

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }}.checkpointing.checkpoint import latest_checkpoint
+from {{ cookiecutter.package_name }}.checkpointing.layout import latest_checkpoint
 from {{ cookiecutter.package_name }}.config import load_config
 from {{ cookiecutter.package_name }}.faults import stopping
 from {{ cookiecutter.package_name }}.faults.stopping import EXIT_INTERRUPTED, EXIT_RESUMABLE, StopRequests

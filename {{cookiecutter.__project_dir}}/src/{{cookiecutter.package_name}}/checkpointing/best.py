@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from ..config import BestConfig, ConfigError
-from .checkpoint import atomic_write_text, checkpoint_root
+from .checkpoint import atomic_write_text
+from .layout import checkpoint_root
 
 log = logging.getLogger(__name__)
 

@@ -1,57 +1,39 @@
-"""Atomic, verified checkpoints, and the newest one that every rank can use.
+"""One checkpoint on disk: writing it atomically, reading it back verified.
 
-Layout: `<run.dir>/checkpoints/step_00000100/` holds `state.pt` (the replicated state, written by
-rank 0 only), `rank_00000.pt`, `rank_00001.pt`, ... (each rank's own RNG state) and `COMPLETE`.
-A checkpoint is assembled in a hidden staging directory named for its step and for the job that
-writes it (`.step_00000100.<job>.tmp`), `COMPLETE` is written last, and the directory is renamed
-into place in one `os.replace`: a crash at any moment leaves either the previous checkpoints
-untouched or a hidden directory that is never loaded. A job removes only its own staging; what
-another job left is removed by `remove_foreign_staging`, once no other job can be writing.
+A checkpoint (named and listed as layout.py says) holds `state.pt` (the replicated state,
+written by rank 0 only), `rank_00000.pt`, `rank_00001.pt`, ... (each rank's own RNG state) and
+`COMPLETE`. It is assembled in a hidden staging directory of its step and of the job that writes
+it, `COMPLETE` is written last, and the directory is renamed into place in one `os.replace`: a
+crash at any moment leaves either the previous checkpoints untouched or a hidden directory that
+is never loaded. A save ends by pruning (retention.py).
 
 A save that fails on any rank, in any phase (a full disk, a failing file system), removes its
 staging directory and fails on every rank, saying the checkpoint's size and the free space;
 every earlier checkpoint is left as it was. Rank 0 refuses to start a save when the previous
 checkpoint would not fit in the free space.
 
-`COMPLETE` records the checkpoint's format version and the size and SHA-256 of every file. On
-resume, rank 0 chooses (its newest checkpoint) and every rank loads the same one, or all of them
-go on to the previous one together; what each case does:
-
-- a file missing, cut short, changed or in no readable format: the checkpoint is damaged, and
-  moved aside as `step_NNNNNNNN.corrupt` (`.corrupt-2`, ... when that name is taken), never deleted;
-- a newer format, or a state without what this version needs: not damaged, but of another
-  version; moved aside as `step_NNNNNNNN.incompatible` only when the run goes on without it;
-- out of memory, permission denied, an I/O error while the bytes are those written: the job ends
-  on every rank naming the file and the error, and nothing is changed;
-- a rank that does not see the chosen checkpoint within LISTING_WAIT_S: the job ends on every
-  rank, naming the file system as not shared or not consistent.
-
-Checkpoints that exist but of which none can be used never lead to a silent start at step 0:
-NoUsableCheckpointError lists them, and the caller refuses or starts over as configured.
+`COMPLETE` records the checkpoint's format version and the size and SHA-256 of every file.
+Loading verifies each file against it and tells damage (CorruptCheckpointError), another format
+(IncompatibleCheckpointError) and an error of the machine (CheckpointReadError) apart; which
+checkpoint the ranks load, and what each outcome does, is newest_intact.py's.
 
 On an object store (`run.dir=s3://...`, storage.py) nothing can be renamed: a checkpoint's files
 are written under its own name (after the leftovers of an earlier save of that step are
 removed), and `COMPLETE`, written last, commits it; a checkpoint without it is never listed nor
 loaded, and the next launch removes it. Loading verifies every file against COMPLETE as above;
-an error of the store's client (unreachable, access denied) is a read error, not damage. A
-damaged checkpoint is copied under its `.corrupt` name, then its COMPLETE and then its files are
-removed; pruning, too, removes a checkpoint's COMPLETE first. The run's metrics and logs, kept
-in a local directory, travel with each checkpoint (`run/`, restore_run_files).
+an error of the store's client (unreachable, access denied) is a read error, not damage. The
+run's metrics and logs, kept in a local directory, travel with each checkpoint (`run/`,
+restore_run_files).
 """
 
 from __future__ import annotations
 
 import errno
-import fnmatch
 import hashlib
 import io
 import json
 import logging
-import os
-import re
 import shutil
-import socket
-import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,14 +45,20 @@ from torch.distributed import ProcessGroup
 from ..cluster.distributed import DistEnv, barrier, gather_objects
 from ..monitoring.logs import log_file_name
 from ..monitoring.metrics import RUN_FILES
+from .layout import (
+    COMPLETE_MARKER,
+    checkpoint_root,
+    complete_checkpoints,
+    latest_checkpoint,
+    new_job_token,
+    staging_dir,
+)
+from .retention import prune_checkpoints
 from .storage import Location, ObjectPath, local_dir_of, storage_of
 
 log = logging.getLogger(__name__)
 
-COMPLETE_MARKER = "COMPLETE"
 STATE_FILE = "state.pt"
-CORRUPT_SUFFIX = ".corrupt"
-INCOMPATIBLE_SUFFIX = ".incompatible"
 #: The version of what a checkpoint holds, recorded in COMPLETE. Checkpoints from before it was
 #: recorded are version 1: they load when they hold every key below.
 FORMAT_VERSION = 2
@@ -79,15 +67,10 @@ REQUIRED_STATE_KEYS = ("model", "optimizer", "scheduler", "scaler", "step", "con
 REQUIRED_RANK_KEYS = ("rng",)
 #: Where a checkpoint on an object store holds the run's metrics and logs (see save_checkpoint).
 RUN_FILES_DIR = "run"
-#: How long a rank waits to see the checkpoint rank 0 chose: NFS caches directory listings for
-#: up to a minute (acdirmax) by default.
-LISTING_WAIT_S = 90.0
 #: The bound on the waits around a save, from the previous save's write time: a rank that
 #: takes longer has hung. Never shorter than the floor, never longer than dist.barrier_timeout_s.
 SAVE_TIMEOUT_FACTOR = 4.0
 SAVE_TIMEOUT_FLOOR_S = 300.0
-_CHECKPOINT_NAME = re.compile(r"^step_(\d{8})$")
-_SET_ASIDE_NAME = re.compile(r"^step_\d{8}\.(corrupt|incompatible)(-\d+)?$")
 _CHUNK = 1 << 20
 # Errors of torch.load that come from the machine, not from the file's bytes.
 _RESOURCE_MESSAGES = ("allocate memory", "out of memory", "read failed")
@@ -114,15 +97,6 @@ class CheckpointSaveError(CheckpointError):
     """A save failed; its staging directory is removed and earlier checkpoints are intact."""
 
 
-class NoUsableCheckpointError(CheckpointError):
-    """The run directory holds checkpoints, and none of them can continue the run."""
-
-    def __init__(self, message: str, incompatible: list[Location]) -> None:
-        super().__init__(message)
-        #: Intact checkpoints of another format, left in place.
-        self.incompatible = incompatible
-
-
 @dataclass
 class LoadedCheckpoint:
     """A checkpoint every rank could load: the replicated state, and this rank's own state when
@@ -139,19 +113,8 @@ class LoadedCheckpoint:
     skipped: list[Location] = field(default_factory=list)
 
 
-def checkpoint_root(run_dir: Location) -> Location:
-    return run_dir / "checkpoints"
-
-
 def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
-
-
-def new_job_token() -> str:
-    """A name for this job, unique among the jobs that could share a run directory: host,
-    process id and start time (of rank 0, which every rank then uses)."""
-    host = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())
-    return f"{host}-{os.getpid()}-{time.strftime('%Y%m%dT%H%M%S')}"
 
 
 def save_timeout_s(previous_write_s: float | None, ceiling_s: float) -> float:
@@ -197,7 +160,7 @@ def save_checkpoint(
     root = checkpoint_root(run_dir)
     store = storage_of(root)
     final = root / f"step_{step:08d}"
-    staging = _staging(root, step, job) if store.renames else final
+    staging = staging_dir(root, step, job) if store.renames else final
     previous = latest_checkpoint(run_dir) if env.is_main else None
     phase = _SavePhase(env, final, staging, previous, timeout_s, group)
 
@@ -311,31 +274,6 @@ class _SavePhase:
                 log.warning("cannot remove the unfinished checkpoint %s: %s", self.staging, error)
 
 
-def complete_checkpoints(run_dir: Location) -> list[Location]:
-    """Complete checkpoints, oldest first. Directories without the marker are ignored."""
-    root = checkpoint_root(run_dir)
-    store = storage_of(root)
-    found = [
-        root / name
-        for name in store.names(root)
-        if _CHECKPOINT_NAME.match(name) and store.is_file(root / name / COMPLETE_MARKER)
-    ]
-    return sorted(found, key=lambda path: path.name)
-
-
-def latest_checkpoint(run_dir: Location) -> Location | None:
-    """The newest complete checkpoint (not yet verified), or None for a fresh run."""
-    checkpoints = complete_checkpoints(run_dir)
-    return checkpoints[-1] if checkpoints else None
-
-
-def set_aside_checkpoints(run_dir: Location) -> list[Location]:
-    """Checkpoints moved aside as damaged or of another format, by name."""
-    root = checkpoint_root(run_dir)
-    names = storage_of(root).names(root)
-    return sorted(root / name for name in names if _SET_ASIDE_NAME.match(name))
-
-
 def checkpoint_size(path: Location) -> int:
     """Bytes of the files of one checkpoint directory."""
     return storage_of(path).tree_size(path)
@@ -411,189 +349,6 @@ def require_resumable(loaded: LoadedCheckpoint) -> None:
         _require_keys(loaded.rank_state, REQUIRED_RANK_KEYS, f"a rank file of {loaded.path.name}")
 
 
-def load_newest_intact(run_dir: Location, env: DistEnv) -> LoadedCheckpoint | None:
-    """The newest checkpoint that every rank can load, or None when the run has none.
-
-    A collective. Rank 0 lists the checkpoints, and every rank tries the ones it names, newest
-    first, agreeing after each one, so all of them resume from the same step. Damaged ones are
-    reported, naming the file, and moved aside by rank 0; those of another format are skipped.
-    Raises CheckpointReadError when a rank cannot read or see one for a reason other than
-    damage, and NoUsableCheckpointError when checkpoints exist and none can be used.
-    """
-    listing: tuple[list[str], list[str]] | str | None = None
-    if env.is_main:
-        try:
-            listing = (
-                [path.name for path in reversed(complete_checkpoints(run_dir))],
-                [path.name for path in set_aside_checkpoints(run_dir)],
-            )
-        except OSError as error:  # an object store out of reach, a permission refused
-            listing = f"cannot list {checkpoint_root(run_dir)}: {error}"
-    shared = gather_objects(listing)[0]
-    if isinstance(shared, str):
-        raise CheckpointReadError(
-            f"{shared}. Nothing was changed: fix the cause (for an object store: the endpoint, "
-            "the network, the credentials in the environment) and launch again."
-        )
-    names, earlier = shared
-    root = checkpoint_root(run_dir)
-    unusable: list[str] = []
-    incompatible: list[Location] = []
-    for name in names:
-        path = root / name
-        loaded, kind, reason = _try_load(path, run_dir, env)
-        outcomes = gather_objects((kind, reason))
-        fatal = [
-            f"rank {rank}: {why}" for rank, (what, why) in enumerate(outcomes) if what == _FATAL
-        ]
-        if fatal:
-            raise CheckpointReadError("; ".join(fatal))
-        if loaded is not None and all(what == _USABLE for what, _ in outcomes):
-            loaded.skipped = incompatible
-            return loaded
-        if any(what == _DAMAGED for what, _ in outcomes):
-            why = next(why for what, why in outcomes if what == _DAMAGED)
-            aside = _set_aside_on_rank_0(path, env)
-            unusable.append(f"{name} (damaged: {why}; moved to {aside})")
-            if env.is_main:
-                log.warning(
-                    "checkpoint %s cannot be loaded on every rank; moved it to %s and trying "
-                    "the previous one",
-                    path,
-                    aside,
-                )
-        else:
-            why = next(why for what, why in outcomes if what == _INCOMPATIBLE)
-            unusable.append(f"{name} (another format: {why})")
-            incompatible.append(path)
-            if env.is_main:
-                log.warning("checkpoint %s is skipped: %s", name, why)
-    if not unusable and not earlier:
-        return None
-    tried = "; ".join(unusable) if unusable else "no complete checkpoint is left"
-    before = f" Set aside by earlier launches: {', '.join(earlier)}." if earlier else ""
-    raise NoUsableCheckpointError(
-        f"no checkpoint in {root} can continue this run: {tried}.{before}", incompatible
-    )
-
-
-def _set_aside_on_rank_0(path: Location, env: DistEnv) -> str:
-    """Rank 0 moves a damaged checkpoint aside; every rank learns its new name, or the error
-    that stopped the move (then the job ends on every rank: nothing else was changed)."""
-    moved: tuple[str, str] | None = None
-    if env.is_main:
-        try:
-            moved = ("moved", set_aside(path, CORRUPT_SUFFIX).name)
-        except OSError as error:
-            moved = ("error", f"cannot move the damaged checkpoint {path} aside: {error}")
-    outcome, text = gather_objects(moved)[0]
-    if outcome == "error":
-        raise CheckpointReadError(text)
-    return text
-
-
-def set_aside(path: Location, suffix: str) -> Location:
-    """Move a checkpoint out of the way under `name + suffix` (with -2, -3, ... when taken).
-
-    On an object store, a copy under the new name, then the removal of the original's COMPLETE
-    and then of its files: a move cut short leaves the original whole, or incomplete (never
-    listed), and a later launch moves it again or a save of its step replaces it.
-    """
-    store = storage_of(path)
-    aside = path.with_name(path.name + suffix)
-    number = 1
-    while store.exists(aside):
-        number += 1
-        aside = path.with_name(f"{path.name}{suffix}-{number}")
-    store.move(path, aside, first=COMPLETE_MARKER)
-    return aside
-
-
-def prune_checkpoints(
-    run_dir: Location, keep_last: int, job: str, keep: Collection[str] = ()
-) -> None:
-    """Keep the newest `keep_last` complete checkpoints and those named in `keep`; drop older
-    ones (COMPLETE first) and this job's abandoned staging (another job's may be a save in
-    flight)."""
-    root = checkpoint_root(run_dir)
-    store = storage_of(root)
-    for old in complete_checkpoints(run_dir)[:-keep_last]:
-        if old.name not in keep:
-            try:
-                store.remove_tree(old, first=COMPLETE_MARKER)
-            except OSError as error:  # the new checkpoint is safe: not a reason to stop
-                log.warning("cannot remove the old checkpoint %s: %s", old, error)
-    for name in store.names(root):
-        if fnmatch.fnmatch(name, f".step_*.{job}.tmp"):
-            store.remove_tree(root / name)
-
-
-def remove_foreign_staging(run_dir: Location, job: str) -> list[Location]:
-    """Remove the saves other jobs left unfinished; call only when no other job can be running
-    in `run_dir`. Returns what was removed: staging directories, and on an object store the
-    checkpoints without COMPLETE (written under their own name)."""
-    root = checkpoint_root(run_dir)
-    store = storage_of(root)
-    names = store.names(root)
-    if store.renames:
-        foreign = [
-            root / name
-            for name in names
-            if fnmatch.fnmatch(name, ".step_*.tmp") and not name.endswith(f".{job}.tmp")
-        ]
-    else:
-        complete = {path.name for path in complete_checkpoints(run_dir)}
-        foreign = [root / name for name in names if _CHECKPOINT_NAME.match(name)]
-        foreign = [path for path in foreign if path.name not in complete]
-    for path in foreign:
-        store.remove_tree(path)
-    return foreign
-
-
-_USABLE, _DAMAGED, _INCOMPATIBLE, _FATAL = "usable", "damaged", "incompatible", "fatal"
-
-
-def _try_load(
-    path: Location, run_dir: Location, env: DistEnv
-) -> tuple[LoadedCheckpoint | None, str, str]:
-    """This rank's attempt at the checkpoint rank 0 chose: (loaded, outcome, reason)."""
-    try:
-        listed = env.is_main or _wait_until_listed(run_dir, path.name)
-    except OSError as error:
-        return None, _FATAL, f"cannot list {checkpoint_root(run_dir)}: {error}"
-    if not listed:
-        return (
-            None,
-            _FATAL,
-            f"{path} is listed on rank 0 but not here after {LISTING_WAIT_S:.0f} s: the run "
-            "directory is not on a file system that every node shares, or its listing is not "
-            "consistent across nodes (NFS attribute caching). Put run.dir on a shared file "
-            "system that shows every node the same files.",
-        )
-    try:
-        loaded = load_checkpoint(path, env.rank, env.world_size)
-        require_resumable(loaded)
-        return loaded, _USABLE, ""
-    except CorruptCheckpointError as error:
-        log.warning("cannot resume from %s on rank %d: %s", path.name, env.rank, error)
-        return None, _DAMAGED, str(error)
-    except IncompatibleCheckpointError as error:
-        return None, _INCOMPATIBLE, str(error)
-    except CheckpointReadError as error:
-        return None, _FATAL, str(error)
-
-
-def _wait_until_listed(run_dir: Location, name: str) -> bool:
-    """Whether `name` appears among this rank's complete checkpoints within LISTING_WAIT_S,
-    listing again (which refreshes a caching file system's view) every second."""
-    deadline = time.monotonic() + LISTING_WAIT_S
-    while name not in [path.name for path in complete_checkpoints(run_dir)]:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(min(1.0, LISTING_WAIT_S / 10))
-    return True
-
-
 def _load_verified(path: Location, recorded: dict[str, Any] | list[str] | None) -> dict[str, Any]:
     try:
         store = storage_of(path)
@@ -651,10 +406,6 @@ def _require_room(root: Location, size: int) -> None:
         raise OSError(
             errno.ENOSPC, "not enough free space for another checkpoint; nothing was written"
         )
-
-
-def _staging(root: Location, step: int, job: str) -> Location:
-    return root / f".step_{step:08d}.{job}.tmp"
 
 
 def _measured(size: Callable[[Any], int | None], path: Location) -> int | None:

@@ -40,18 +40,17 @@ from ..training.updates import Update
 from .background_save import BackgroundSaver, CompletedSave
 from .best import BestCheckpoint
 from .checkpoint import (
-    INCOMPATIBLE_SUFFIX,
     CheckpointReadError,
     CheckpointSaveError,
     LoadedCheckpoint,
-    NoUsableCheckpointError,
-    load_newest_intact,
     room_warning,
     save_checkpoint,
     save_timeout_s,
-    set_aside,
 )
+from .layout import INCOMPATIBLE_SUFFIX
+from .newest_intact import NoUsableCheckpointError, load_newest_intact
 from .resume import ResumeError, announce_world_size_change, changed_settings, check_changes
+from .retention import set_aside
 from .storage import Location, local_dir_of
 from .weights import export_weights, load_initial_weights
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import flatten
-from .checkpoint import complete_checkpoints, set_aside_checkpoints
+from .layout import complete_checkpoints, set_aside_checkpoints
 
 log = logging.getLogger(__name__)
 

@@ -42,15 +42,13 @@ from ..config import ConfigError, read_run_config
 from ..contract import TaskBase, adopt
 from ..task import Task
 from .checkpoint import (
-    COMPLETE_MARKER,
     CheckpointReadError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     atomic_write_text,
-    checkpoint_root,
-    complete_checkpoints,
     load_checkpoint,
 )
+from .layout import COMPLETE_MARKER, checkpoint_root, complete_checkpoints
 from .storage import fsync_dir, storage_of
 
 log = logging.getLogger(__name__)

@@ -27,8 +27,8 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from ..checkpointing.background_save import BackgroundSaver
 from ..checkpointing.best import BestCheckpoint
-from ..checkpointing.checkpoint import checkpoint_root, latest_checkpoint, new_job_token
 from ..checkpointing.checkpointer import Checkpointer, TrainingState
+from ..checkpointing.layout import checkpoint_root, latest_checkpoint, new_job_token
 from ..checkpointing.storage import Location, local_dir_of
 from ..cluster.agreement import agree_on_data, roster
 from ..cluster.distributed import (
