@@ -12,6 +12,7 @@ import pytest
 
 import {{ cookiecutter.package_name }}
 from {{ cookiecutter.package_name }} import MOVED
+from {{ cookiecutter.package_name }}.checkpointing import checkpoint
 
 
 def rendered(old: str) -> bool:
@@ -63,3 +64,13 @@ def test_every_moved_module_is_found_in_its_subpackage_or_left_out_by_an_option(
     optional = {"shards", "tracker"}
     for old, new in MOVED.items():
         assert rendered(old) or old in optional, f"MOVED names {new}, which does not exist"
+
+
+@pytest.mark.parametrize("name", sorted(checkpoint.MOVED_NAMES))
+def test_a_name_that_left_checkpoint_py_imports_from_there_with_a_future_warning(
+    name: str,
+) -> None:
+    new = f"{{ cookiecutter.package_name }}.checkpointing.{checkpoint.MOVED_NAMES[name]}"
+    with pytest.warns(FutureWarning, match=f"{name} moved to {new} in release 1.0"):
+        value = getattr(checkpoint, name)
+    assert value is getattr(importlib.import_module(new), name)

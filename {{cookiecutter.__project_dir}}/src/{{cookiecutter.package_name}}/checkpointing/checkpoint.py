@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import importlib
 import io
 import json
 import logging
 import shutil
+import warnings
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +59,33 @@ from .retention import prune_checkpoints
 from .storage import Location, ObjectPath, local_dir_of, storage_of
 
 log = logging.getLogger(__name__)
+
+#: Names this module held before 1.0 that moved to a module of their own: importing one from
+#: here still works in this release, with a FutureWarning naming its new place.
+MOVED_NAMES = {
+    "CORRUPT_SUFFIX": "layout",
+    "INCOMPATIBLE_SUFFIX": "layout",
+    "set_aside_checkpoints": "layout",
+    "LISTING_WAIT_S": "newest_intact",
+    "NoUsableCheckpointError": "newest_intact",
+    "load_newest_intact": "newest_intact",
+    "remove_foreign_staging": "retention",
+    "set_aside": "retention",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in MOVED_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    new = f"{__package__}.{MOVED_NAMES[name]}"
+    warnings.warn(
+        f"{name} moved to {new} in release 1.0: import it from there (its old place stops "
+        "working in the next release)",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(new), name)
+
 
 STATE_FILE = "state.pt"
 #: The version of what a checkpoint holds, recorded in COMPLETE. Checkpoints from before it was
