@@ -3,7 +3,8 @@ one, resuming from the newest usable checkpoint or starting fresh, and the expor
 
 The Trainer builds one Checkpointer over the objects it trains (`TrainingState`) and calls it
 once per operation; the step count stays the Trainer's, passed in to a save and returned by a
-resume. The files are checkpoint.py's (the on-disk protocol), the writing thread
+resume. The files are checkpoint.py's (the on-disk protocol; which one to resume,
+newest_intact.py's; which to keep, retention.py's), the writing thread
 background_save.py's, the best checkpoint's verdict best.py's, what a resume may change
 resume.py's, the weights' files weights.py's. A save and a resume are collectives: every rank
 calls them at the same step.
