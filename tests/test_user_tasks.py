@@ -24,6 +24,10 @@ config.py left beside it).
   2 ranks == 1 rank == accumulation in float64, one all-reduce per update and step, the other
   part under no_sync) and the restart tests (a rank raises, then one is killed; both optimizers
   and the moving average end bitwise where an unbroken run ends).
+- contrastive_task.py (an encoder trained with InfoNCE whose negatives are gathered from
+  every rank with autograd, `whole_batch_loss`, evaluation by per-sample sums) runs the
+  gradient tests (2 ranks == 1 rank in float64, accumulation refused naming the micro-batch
+  size), the resume tests and the restart tests.
 - hf_gpt2_task.py (a Hugging Face GPT2LMHeadModel from a tiny GPT2Config, no download) trains,
   crashes and resumes bitwise on 2 ranks, and an epoch's throughput adds up to its real tokens.
 
@@ -146,8 +150,43 @@ def test_a_gan_with_alternating_updates_trains_alike_on_any_world_size_and_resum
         "tests/task/test_gradients.py",
         f"tests/task/test_restart.py::{KILLED_AND_RESTARTED}",
     )
-    assert "test_two_ranks_with_accumulation_equal_one_process_with_the_whole_batch" in cases
+    assert "test_two_ranks_equal_one_process_with_the_whole_batch" in cases
+    assert "test_same_global_batch_trains_the_same_on_one_or_two_ranks" in cases
     assert KILLED_AND_RESTARTED in cases
+
+
+#: The gradient tests of a whole-batch loss: the 2-rank run (one micro-batch per rank) against
+#: one process, and the refusal of accumulation; not the tests of when DDP all-reduces under
+#: accumulation, which train it with the accumulation refused for it.
+WHOLE_BATCH_GRADIENTS = [
+    f"tests/task/test_gradients.py::{name}"
+    for name in (
+        "test_replicas_hold_identical_weights",
+        "test_two_ranks_equal_one_process_with_the_whole_batch",
+        "test_a_whole_batch_loss_refuses_accumulation_naming_the_micro_batch_size",
+    )
+]
+
+
+def test_a_contrastive_loss_with_negatives_from_every_rank_trains_alike_on_any_world_size(
+    tmp_path: Path,
+) -> None:
+    """InfoNCE against every rank's embeddings, gathered with autograd and not scaled by the
+    world size: 2 ranks make the updates of one process with the whole batch in float64, a
+    split that needs accumulation is refused, a crashed run and ranks killed and restarted end
+    bitwise where an unbroken run ends, and a run resumed on 1 and 4 ranks continues it."""
+    task = (USER_TASKS / "contrastive_task.py").read_text()
+    project, env, _ = project_with_task("User Contrastive Task", task, tmp_path)
+    cases = run_project_suite(
+        project,
+        env,
+        *WHOLE_BATCH_GRADIENTS,
+        *RESUMES,
+        f"tests/task/test_restart.py::{KILLED_AND_RESTARTED}",
+    )
+    refusal = cases["test_a_whole_batch_loss_refuses_accumulation_naming_the_micro_batch_size"]
+    assert refusal.find("skipped") is None
+    assert "test_weights_are_bitwise_equal_to_an_unbroken_run" in cases
 
 
 #: Run in the project: one epoch of 8 steps on 256 sequences (each trained on once), then the

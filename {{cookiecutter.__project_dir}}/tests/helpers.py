@@ -31,11 +31,23 @@ from {{ cookiecutter.package_name }}.monitoring.metrics import MetricsLogger
 from {{ cookiecutter.package_name }}.task import Task
 from {{ cookiecutter.package_name }}.training.trainer import Trainer
 
+#: Task.whole_batch_loss: a micro-batch's loss reads the step's samples together (negatives
+#: gathered across ranks), so gradient accumulation is refused for it: its tests train one
+#: micro-batch per rank and step.
+WHOLE_BATCH_LOSS: bool = getattr(Task, "whole_batch_loss", False)
+
+
+def micro_batch_size(size: int, global_batch_size: int) -> str:
+    """The setting train.micro_batch_size=`size`; for a whole-batch loss, `global_batch_size`,
+    which splits into one micro-batch per rank on any world size."""
+    return f"train.micro_batch_size={global_batch_size if WHOLE_BATCH_LOSS else size}"
+
+
 #: Overrides that make a run take seconds on a laptop CPU: the shared sections' here, then the
 #: task's own `test_settings` (a small model and data set), which may also change train.*.
 FAST = [
     "train.global_batch_size=32",
-    "train.micro_batch_size=8",
+    micro_batch_size(8, 32),
     "train.log_every=2",
     "train.eval_every=4",
     "checkpoint.every_steps=4",

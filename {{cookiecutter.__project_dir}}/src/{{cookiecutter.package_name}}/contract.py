@@ -112,6 +112,14 @@ class TaskBase:
         Each entry is a tensor, reported as its total over the evaluation set divided by the
         total of the "count" entry, or a pair (sum, count) that carries its own count. Entries
         may also be ingredients of `evaluation_metrics` (true and false positives for an F1).
+
+        No collectives here (an all_gather of embeddings, an all_reduce of the sums): every
+        sample is evaluated once, so the ranks' shares differ by up to a sample, and their
+        batches can differ in size or in number. A call is refused on every rank, at its
+        first, with CollectiveInEvaluationError (exit status 2). The trainer adds the sums up
+        over the ranks after the last batch; a metric that needs every sample at once
+        (retrieval over all embeddings) is no sum of batches: compute it after training, from
+        `load_model`.
         """
         raise NotImplementedError
 

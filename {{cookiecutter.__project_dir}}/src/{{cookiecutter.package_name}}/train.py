@@ -39,6 +39,7 @@ from .cluster.agreement import (
     roster,
 )
 from .cluster.distributed import (
+    CollectiveInEvaluationError,
     DistEnv,
     GradientsNotReducedError,
     barrier,
@@ -151,7 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchIncompleteError as error:
         log.error("%s", error)
         return 1
-    except (ResumeError, WeightsError, ConfigError, GradientsNotReducedError) as error:
+    except (
+        ResumeError,
+        WeightsError,
+        ConfigError,
+        GradientsNotReducedError,
+        CollectiveInEvaluationError,
+    ) as error:
         log.error("%s", error)
         return 2
     except DivergenceError as error:

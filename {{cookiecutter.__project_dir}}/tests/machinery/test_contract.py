@@ -1,11 +1,13 @@
 """The Task contract (contract.py) holds for tasks unlike the shipped example (tests/tasks.py):
-what a task may define is used, what it lacks has a default, and a task written for the first
-release still trains and resumes bitwise."""
+what a task may define is used, what it lacks has a default, a task written for the first
+release still trains and resumes bitwise, and a collective in evaluation is refused by name."""
 
 from __future__ import annotations
 
 import logging
 import shutil
+import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,8 +15,12 @@ from typing import Any
 import numpy
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as functional_collectives
+import torch.distributed.nn.functional as distributed_autograd
 from torch.utils.data import IterableDataset
 
+from {{ cookiecutter.package_name }} import train
 from {{ cookiecutter.package_name }}.checkpointing import weights
 from {{ cookiecutter.package_name }}.checkpointing.resume import ResumeError
 from {{ cookiecutter.package_name }}.checkpointing.weights import (
@@ -22,12 +28,16 @@ from {{ cookiecutter.package_name }}.checkpointing.weights import (
     export_weights,
     load_model,
 )
+from {{ cookiecutter.package_name }}.cluster.distributed import (
+    CollectiveInEvaluationError,
+    collectives_refused,
+)
 from {{ cookiecutter.package_name }}.config import Config, ConfigError, load_config, to_yaml
 from {{ cookiecutter.package_name }}.contract import adopt
 from {{ cookiecutter.package_name }}.monitoring.metrics import read_metrics
 from {{ cookiecutter.package_name }}.training.trainer import Trainer
 
-from ..helpers import FAST, make_trainer, train_steps
+from ..helpers import FAST, env_for, make_trainer, spawn, train_steps
 from ..tasks import FirstReleaseTask, SgdTokenTask, TokenTask, TwoPlayerTask, VocabularyTask
 
 pytestmark = [pytest.mark.own_tasks, pytest.mark.timeout(120)]
@@ -457,3 +467,102 @@ def test_a_checkpoint_of_other_updates_is_refused_at_resume(tmp_path: Path) -> N
     expected = r"one optimizer for the whole model, and the task now trains updates critic, gen"
     with pytest.raises(ResumeError, match=expected):
         _trainer(tmp_path, TwoPlayerTask, "train.max_steps=2").resume()
+
+
+class GatheringTokenTask(TokenTask):
+    """Gathers every rank's embeddings in evaluation, as a retrieval metric over the whole
+    evaluation set would, through the functional collectives (autograd included)."""
+
+    def evaluation_sums(self, model: torch.nn.Module, batch: dict) -> dict:
+        embeddings = self.embed(model, batch)
+        everyone = self.gather(embeddings)
+        sums = super().evaluation_sums(model, batch)
+        return {**sums, "norm": (everyone.norm(dim=-1).sum(), len(everyone))}
+
+    def embed(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        return model.embedding(batch["input_ids"]).mean(dim=1)
+
+    def gather(self, embeddings: torch.Tensor) -> torch.Tensor:
+        return functional_collectives.all_gather_single(embeddings, 0, dist.group.WORLD)
+
+
+class OlderGatheringTokenTask(GatheringTokenTask):
+    """The same through torch.distributed.nn.functional, whose calls end in torch.distributed's
+    own."""
+
+    def gather(self, embeddings: torch.Tensor) -> torch.Tensor:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # deprecated in favour of the above
+            return torch.cat(distributed_autograd.all_gather(embeddings))
+
+
+def _evaluate_with_gathers(rank: int, world_size: int, run_dir: Path) -> list[str]:
+    messages = []
+    for task_class in (GatheringTokenTask, OlderGatheringTokenTask):
+        config = _config(run_dir / task_class.__name__)
+        task = task_class(config.task, config.run.seed)
+        trainer = make_trainer(config, env_for(rank, world_size), task)
+        with pytest.raises(CollectiveInEvaluationError) as error:
+            trainer.evaluate()
+        messages.append(str(error.value))
+    return messages
+
+
+@pytest.mark.distributed
+def test_a_collective_in_evaluation_sums_is_refused_alike_on_every_rank(tmp_path: Path) -> None:
+    """Each rank evaluates its own share of the 37 samples (19 and 18): a gather there would
+    pair tensors of different sizes (gloo aborts the process) or wait for a rank that has
+    finished. Every rank refuses it at its first call, before any data is exchanged, with the
+    same message."""
+    ranks = spawn(2, _evaluate_with_gathers, tmp_path / "run", workdir=tmp_path, timeout=90)
+    assert ranks[0] == ranks[1]
+    functional, older = ranks[0]
+    called = "the task's evaluation_sums called torch.distributed"
+    assert f"{called}._functional_collectives.all_gather_single," in functional
+    assert f"{called}.all_gather," in older
+    assert "the ranks' batches can differ in size or in number" in functional
+    assert "Return sums over the batch instead" in functional
+
+
+def test_only_the_evaluating_thread_is_refused_and_torch_s_functions_come_back() -> None:
+    """A checkpoint written in the background meanwhile exchanges data on its own group."""
+    original = dist.all_reduce
+    raised_elsewhere: list[type] = []
+
+    def all_reduce_elsewhere() -> None:
+        try:
+            dist.all_reduce(torch.zeros(1))
+        except Exception as error:  # torch's own: no process group in this test
+            raised_elsewhere.append(type(error))
+
+    with collectives_refused("evaluation_sums"):
+        thread = threading.Thread(target=all_reduce_elsewhere)
+        thread.start()
+        thread.join()
+        with pytest.raises(CollectiveInEvaluationError):
+            dist.all_reduce(torch.zeros(1))
+    assert raised_elsewhere == [ValueError]
+    assert dist.all_reduce is original
+
+
+class AllReducingTokenTask(TokenTask):
+    """All-reduces its own sums in evaluation, which the trainer does once, after the last
+    batch."""
+
+    def evaluation_sums(self, model: torch.nn.Module, batch: dict) -> dict:
+        sums = super().evaluation_sums(model, batch)
+        dist.all_reduce(sums["true_positives"])
+        return sums
+
+
+def test_a_launch_whose_evaluation_all_reduces_exits_2_naming_the_collective(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused on one rank too, where no process group exists: the same code would hang or
+    abort on several. Status 2, as for a setting: the task's code must change."""
+    monkeypatch.setattr(train, "Task", AllReducingTokenTask)
+    run_dir = tmp_path / "run"
+    assert train.main([*FAST, f"run.dir={run_dir}", "train.max_steps=4"]) == 2
+    log = (run_dir / "train.log").read_text()
+    assert "evaluation_sums called torch.distributed.all_reduce" in log
+    assert "Traceback" not in log

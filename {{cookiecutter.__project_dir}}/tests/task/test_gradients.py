@@ -2,7 +2,9 @@
 
 DDP with N ranks x micro-batch B x K accumulation steps must make the same update as one process
 with the whole global batch; gradients must be all-reduced once per optimizer step, not once
-per micro-step.
+per micro-step. A task whose loss reads the step's samples together (Task.whole_batch_loss:
+negatives gathered across ranks) trains one micro-batch per rank: 2 ranks must equal one
+process, and a split that needs accumulation is refused.
 """
 
 from __future__ import annotations
@@ -13,15 +15,29 @@ import pytest
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from {{ cookiecutter.package_name }}.cluster.distributed import DistEnv
 from {{ cookiecutter.package_name }}.config import load_config
 from {{ cookiecutter.package_name }}.task import Task
+from {{ cookiecutter.package_name }}.train import checked_config
 
-from ..helpers import FAST, Float64Task, env_for, flat_grads, make_trainer, spawn, train_steps
+from ..helpers import (
+    FAST,
+    WHOLE_BATCH_LOSS,
+    Float64Task,
+    env_for,
+    flat_grads,
+    make_trainer,
+    spawn,
+    train_steps,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 GLOBAL_BATCH = 16
 STEPS = 3
+#: The 2-rank run's micro-batch: 2 ranks x 4 x 2 accumulation steps, or for a whole-batch loss
+#: 2 ranks x 8 x 1.
+TWO_RANK_MICRO_BATCH = GLOBAL_BATCH // 2 if WHOLE_BATCH_LOSS else 4
 
 
 def _float64_config(run_dir: Path, micro_batch: int) -> list[str]:
@@ -42,14 +58,15 @@ def _train_float64(rank: int, world_size: int, run_dir: Path, micro_batch: int) 
 
 @pytest.fixture(scope="module")
 def two_rank_weights(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    """Weights of both ranks after 3 steps of 2 ranks x micro-batch 4 x 2 accumulation steps."""
+    """Weights of both ranks after 3 steps of 2 ranks x micro-batch 4 x 2 accumulation steps
+    (a whole-batch loss: 8 x 1)."""
     workdir = tmp_path_factory.mktemp("float64")
-    return spawn(2, _train_float64, workdir / "run", 4, workdir=workdir)
+    return spawn(2, _train_float64, workdir / "run", TWO_RANK_MICRO_BATCH, workdir=workdir)
 
 
 def _assert_close(left: dict, right: dict) -> None:
-    """Within 1e-10; a failure names the weight and how far it is off (a loss that only sees
-    its own micro-batch, such as one that gathers negatives across ranks, is off by 1e-3)."""
+    """Within 1e-10; a failure names the weight and how far it is off (a loss that gathers
+    negatives across ranks, trained with accumulation, is off by 1e-3: Task.whole_batch_loss)."""
     for name, tensor in left.items():
         torch.testing.assert_close(
             tensor,
@@ -66,20 +83,40 @@ def test_replicas_hold_identical_weights(two_rank_weights: list[dict]) -> None:
         assert torch.equal(tensor, other), f"{name}: off by {(tensor - other).abs().max():.3g}"
 
 
-def test_two_ranks_with_accumulation_equal_one_process_with_the_whole_batch(
+def test_two_ranks_equal_one_process_with_the_whole_batch(
     two_rank_weights: list[dict], tmp_path: Path
 ) -> None:
-    """2 ranks x B=4 x K=2 == 1 process x batch 16, in float64, within 1e-10, after 3 steps."""
+    """2 ranks x B=4 x K=2 (a whole-batch loss: B=8, K=1) == 1 process x batch 16, in float64,
+    within 1e-10, after 3 steps."""
     single = _train_float64(0, 1, tmp_path / "run", micro_batch=GLOBAL_BATCH)
     _assert_close(two_rank_weights[0], single)
 
 
+@pytest.mark.skipif(
+    WHOLE_BATCH_LOSS, reason="Task.whole_batch_loss: accumulation is refused for this task"
+)
 def test_same_global_batch_trains_the_same_on_one_or_two_ranks(
     two_rank_weights: list[dict], tmp_path: Path
 ) -> None:
     """The global batch is the contract: 1 rank accumulating 4 x 4 matches 2 ranks x 2 x 4."""
     single = _train_float64(0, 1, tmp_path / "run", micro_batch=4)
     _assert_close(two_rank_weights[0], single)
+
+
+@pytest.mark.skipif(
+    not WHOLE_BATCH_LOSS,
+    reason="the task's loss reads each micro-batch alone: accumulation trains it (test above)",
+)
+def test_a_whole_batch_loss_refuses_accumulation_naming_the_micro_batch_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """1 rank x 4 x 4 would give each micro-batch only its own negatives: another loss. The
+    launch is refused before it starts, naming the micro-batch size of one step."""
+    settings = _float64_config(tmp_path / "run", micro_batch=4)
+    assert checked_config(None, settings, DistEnv(), tell=False) is None
+    error = capsys.readouterr().err
+    assert "Task.whole_batch_loss" in error and "takes 4 micro-batches per step" in error
+    assert f"Set train.micro_batch_size={GLOBAL_BATCH} (" in error
 
 
 def _record_communication(rank: int, world_size: int, run_dir: Path) -> dict[int, dict]:

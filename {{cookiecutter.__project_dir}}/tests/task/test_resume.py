@@ -20,6 +20,7 @@ from ..helpers import (
     env_for,
     float64,
     make_trainer,
+    micro_batch_size,
     optimizer_states,
     spawn,
     with_samples,
@@ -35,13 +36,13 @@ TenStepsPerEpoch = with_samples(Task, train=320)
 
 
 def _config(run_dir: Path) -> list[str]:
-    # 2 ranks x micro-batch 8 x 2 accumulation steps, in training mode: the task's dropout, if
-    # it has any, makes the random state matter.
+    # 2 ranks x micro-batch 8 x 2 accumulation steps (a whole-batch loss: 16 x 1), in training
+    # mode: the task's dropout, if it has any, makes the random state matter.
     return [
         *FAST,
         f"run.dir={run_dir}",
         "train.global_batch_size=32",
-        "train.micro_batch_size=8",
+        micro_batch_size(8, 32),
         f"train.max_steps={TOTAL_STEPS}",
         f"checkpoint.every_steps={CHECKPOINT_EVERY}",
         "checkpoint.keep_last=10",

@@ -8,9 +8,12 @@ without a process group.
 
 from __future__ import annotations
 
+import functools
 import gc
 import inspect
 import os
+import sys
+import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -54,6 +57,11 @@ class ReplicaMismatchError(RuntimeError):
 
 class GradientsNotReducedError(ReplicaMismatchError):
     """DDP did not all-reduce a step's gradients: the task's code must change (exit 2)."""
+
+
+class CollectiveInEvaluationError(RuntimeError):
+    """The task's evaluation called a collective, which the ranks would not all call alike:
+    the task's code must change (exit 2)."""
 
 
 @dataclass(frozen=True)
@@ -554,3 +562,137 @@ def all_ranks_agree(flag: bool) -> bool:
     tensor = torch.tensor([int(flag)])
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=_control_group)
     return bool(tensor.item())
+
+
+#: The calls that exchange data between ranks, by the module a task calls them from:
+#: torch.distributed's collectives and point-to-point calls (torch.distributed.nn.functional
+#: calls these), and the functional collectives, which carry autograd. Names a torch release
+#: lacks are skipped.
+_TORCH_DISTRIBUTED_CALLS = (
+    "all_gather",
+    "all_gather_coalesced",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "send_object_list",
+    "recv_object_list",
+    "_all_gather_base",
+    "_reduce_scatter_base",
+)
+_EXCHANGES = {
+    "torch.distributed": _TORCH_DISTRIBUTED_CALLS,
+    "torch.distributed.distributed_c10d": _TORCH_DISTRIBUTED_CALLS,
+    "torch.distributed._functional_collectives": (
+        "broadcast",
+        "all_reduce",
+        "all_reduce_coalesced",
+        "all_reduce_inplace",
+        "all_gather_single",
+        "all_gather_single_autograd",
+        "all_gather_single_coalesced",
+        "all_gather_tensor",
+        "all_gather_tensor_autograd",
+        "all_gather_into_tensor_coalesced",
+        "all_gather_inplace",
+        "all_gather_tensor_inplace",
+        "reduce_scatter_single",
+        "reduce_scatter_single_autograd",
+        "reduce_scatter_single_coalesced",
+        "reduce_scatter_tensor",
+        "reduce_scatter_tensor_autograd",
+        "reduce_scatter_tensor_coalesced",
+        "reduce_scatter_tensor_inplace",
+        "all_to_all_single",
+        "all_to_all_single_autograd",
+        "all_to_all_inplace",
+        "permute_tensor",
+    ),
+}
+
+
+#: (thread, the task's method) while that method runs under collectives_refused; else None.
+_refused_call: tuple[int, str] | None = None
+#: The refusing stand-in of each exchange function, made once: (module, name) -> (the
+#: function, its stand-in).
+_stand_ins: dict[tuple[str, str], tuple[Callable[..., Any], Callable[..., Any]]] = {}
+
+
+@contextmanager
+def collectives_refused(method: str) -> Iterator[None]:
+    """Around a call of the task's `method` in evaluation: a collective it calls raises
+    CollectiveInEvaluationError, naming it, before any data moves.
+
+    Evaluation counts every sample once, so the ranks hold shares of the evaluation set that
+    differ by up to a sample, and their batches can differ in size or in number: a collective
+    there pairs tensors of different sizes (gloo aborts the process) or waits for a rank that
+    has finished. Every rank refuses at its first call, with the same message; so does a
+    single process, whose code would fail on several. Calls from other threads (a checkpoint
+    written in the background) go through. The modules' own functions are back on leaving:
+    the stand-ins live only around the call (about 0.1 ms per batch).
+    """
+    global _refused_call
+    replaced = []
+    for module_name, names in _EXCHANGES.items():
+        module = sys.modules.get(module_name)
+        if module is None:  # the functional collectives, until something imports them
+            continue
+        for name in names:
+            original = getattr(module, name, None)
+            if original is not None:
+                setattr(module, name, _stand_in(module_name, name, original))
+                replaced.append((module, name, original))
+    _refused_call = (threading.get_ident(), method)
+    try:
+        yield
+    finally:
+        _refused_call = None
+        for module, name, original in replaced:
+            setattr(module, name, original)
+
+
+def _stand_in(module_name: str, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """`original`, refused in the thread and while the call of `_refused_call` runs."""
+    made = _stand_ins.get((module_name, name))
+    if made is not None and made[0] is original:
+        return made[1]
+    qualified_name = f"{module_name}.{name}"
+
+    @functools.wraps(original)
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        call = _refused_call
+        if call is None or call[0] != threading.get_ident():
+            return original(*args, **kwargs)
+        method = call[1]
+        raise CollectiveInEvaluationError(
+            f"the task's {method} called {qualified_name}, which every rank must call alike, "
+            f"and {method} cannot: evaluation counts every sample once, so each rank evaluates "
+            "its own share of the evaluation set, the shares differ by up to a sample, and the "
+            "ranks' batches can differ in size or in number (a collective would pair tensors "
+            "of different sizes, or wait for a rank that has finished). Return sums over the "
+            "batch instead: the trainer adds them up over every rank, once, after the last "
+            "batch. Compute what needs the totals (a ratio, an F1) in evaluation_metrics; a "
+            "metric that needs every sample at once (retrieval over all embeddings) is no sum "
+            "of batches: compute it after training, from the exported model (load_model)."
+        )
+
+    _stand_ins[module_name, name] = (original, refused)
+    return refused

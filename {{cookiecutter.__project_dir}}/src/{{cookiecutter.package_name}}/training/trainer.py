@@ -36,6 +36,7 @@ from ..cluster.distributed import (
     all_reduce_sum,
     check_gradients_reduced,
     check_replicas,
+    collectives_refused,
     gather_objects,
     gather_rows,
     step_group,
@@ -743,7 +744,7 @@ class Trainer:
         model.eval()
         local: dict[str, torch.Tensor] = {}
         for batch in self.eval_loader:
-            with self.autocast():
+            with self.autocast(), collectives_refused("evaluation_sums"):
                 sums = self.task.evaluation_sums(model, move_to_device(batch, self.device))
             for key, value in sums.items():
                 parts = value if isinstance(value, tuple) else (value,)
