@@ -472,6 +472,14 @@ def report(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     env = detect_env()
+    if getattr(Task, "updates", ()):
+        print(
+            f"error: the task trains its model in updates ({', '.join(Task.updates)}), and the "
+            "plain loop this benchmark compares the Trainer with trains one model with one "
+            "optimizer: there is nothing to compare it with",
+            file=sys.stderr,
+        )
+        return 2
     try:
         config = benchmark_config(args.config, args.overrides, args.warmup_steps, args.steps)
         batch_split(config.train.global_batch_size, config.train.micro_batch_size, env.world_size)

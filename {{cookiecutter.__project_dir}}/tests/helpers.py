@@ -35,6 +35,12 @@ from {{ cookiecutter.package_name }}.training.trainer import Trainer
 #: gathered across ranks), so gradient accumulation is refused for it: its tests train one
 #: micro-batch per rank and step.
 WHOLE_BATCH_LOSS: bool = getattr(Task, "whole_batch_loss", False)
+#: The parts of the task's model trained apart (Task.updates); empty: the whole model at once.
+UPDATES: tuple[str, ...] = tuple(getattr(Task, "updates", ()))
+#: Where the log names the training figures the tests follow (loss, lr, grad_norm): the task's,
+#: or its first update's.
+TRAIN_PREFIX = f"train/{UPDATES[0]}/" if UPDATES else "train/"
+TRAINING_LOSS = f"{TRAIN_PREFIX}loss"
 
 
 def micro_batch_size(size: int, global_batch_size: int) -> str:
@@ -252,6 +258,12 @@ def train_steps(trainer: Trainer, steps: int) -> dict[str, torch.Tensor]:
         trainer.train_step(batches)
         trainer.step += 1
     return {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
+
+
+def first_part(model: torch.nn.Module) -> torch.nn.Module:
+    """Where a test adds a layer to the task's model: the whole model, or its first update's
+    part (each trainable parameter belongs to one part)."""
+    return getattr(model, UPDATES[0]) if UPDATES else model
 
 
 def optimizer_states(trainer: Trainer) -> dict[str | None, dict[str, Any]]:

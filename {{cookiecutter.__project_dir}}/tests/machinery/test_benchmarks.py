@@ -16,7 +16,7 @@ from types import ModuleType
 
 import pytest
 
-from ..helpers import FAST, run_torchrun
+from ..helpers import FAST, UPDATES, run_torchrun
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -56,6 +56,9 @@ def test_overhead_trains_the_same_weights_with_the_trainer_and_the_plain_loop(
     options = ["--warmup-steps=10", "--steps=10", "--rounds=2", f"--json={report}"]
     options += [f"--run-dir={tmp_path / 'runs'}", *FAST]
     result = run_torchrun(2, options, timeout=300, entry=BENCHMARKS / "overhead.py")
+    if UPDATES:  # a model trained in parts has no plain loop of one optimizer to compare with
+        assert result.returncode != 0 and "the task trains its model in updates" in result.stderr
+        return
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads(report.read_text())
     assert record["weights_bitwise_equal"] is True

@@ -393,8 +393,10 @@ def test_help_lists_every_setting_with_its_default(capsys: pytest.CaptureFixture
 
 
 def test_every_shipped_setting_has_a_help_line() -> None:
-    """A setting without a `#:` comment above its field would be listed without a description."""
-    assert [entry.key for entry in settings() if not entry.help] == []
+    """A setting without a `#:` comment above its field would be listed without a description
+    (task.* are the task's own, described as its author chooses)."""
+    shipped = [entry for entry in settings() if not entry.key.startswith("task.")]
+    assert [entry.key for entry in shipped if not entry.help] == []
 
 
 @pytest.mark.usefixtures("user_fields")

@@ -25,7 +25,7 @@ from {{ cookiecutter.package_name }}.cluster.distributed import (
 from {{ cookiecutter.package_name }}.config import ConfigError, DistConfig
 from {{ cookiecutter.package_name }}.monitoring.metrics import read_metrics
 
-from ..helpers import FAST
+from ..helpers import FAST, TRAINING_LOSS
 
 
 def test_torchrun_variables_win() -> None:
@@ -140,7 +140,7 @@ def test_two_processes_started_as_mpirun_starts_them_train_as_one_job(tmp_path: 
     newest = latest_checkpoint(run_dir)
     assert newest is not None and newest.name == "step_00000004"
     assert json.loads((newest / COMPLETE_MARKER).read_text())["world_size"] == 2
-    steps = [record["step"] for record in read_metrics(run_dir) if "train/loss" in record]
+    steps = [record["step"] for record in read_metrics(run_dir) if TRAINING_LOSS in record]
     assert steps and steps == sorted(set(steps))
 
 

@@ -4,7 +4,9 @@ two-host runs are the template's launcher tests."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -227,6 +229,15 @@ def test_the_training_records_its_status_also_when_it_raises(tmp_path: Path) -> 
         with pytest.raises(SystemExit):
             launch.exit_status_recorded(lambda: sys.exit(2))
         assert (tmp_path / "0.1").read_text() == "2\n"
+
+
+def test_the_doctor_records_its_status_for_the_launcher(tmp_path: Path) -> None:
+    """A refused setting: the doctor exits 2, and the launcher finds 2 recorded."""
+    environ = {**os.environ, launch.STATUS_DIR_VARIABLE: str(tmp_path), "LOCAL_RANK": "0"}
+    command = [sys.executable, "-m", "{{ cookiecutter.package_name }}.doctor", "train.epochs=-1"]
+    result = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert launch.recorded_statuses(tmp_path) == [2]
 
 
 #: A stand-in for torchrun: its worker records status 3 and ends, and it stays, deaf to SIGTERM,

@@ -21,12 +21,12 @@ from {{ cookiecutter.package_name }}.monitoring.throughput import StepMeter, pea
 from {{ cookiecutter.package_name }}.task import Task
 from {{ cookiecutter.package_name }}.training.trainer import best_evaluation
 
-from ..helpers import FAST, env_for, make_trainer, spawn
+from ..helpers import FAST, TRAIN_PREFIX, TRAINING_LOSS, env_for, make_trainer, spawn
 
 TRAIN_KEYS = {
-    "train/loss",
-    "train/lr",
-    "train/grad_norm",
+    TRAINING_LOSS,
+    f"{TRAIN_PREFIX}lr",
+    f"{TRAIN_PREFIX}grad_norm",
     "train/step_time_s",
     "train/step_time_min_s",
     "train/step_time_max_s",
@@ -115,13 +115,13 @@ def test_every_log_interval_records_the_figures(tmp_path: Path) -> None:
     config = load_config(None, [*FAST, f"run.dir={tmp_path}", *overrides])
     trainer = make_trainer(config, task=KnownFlops(config.task, seed=config.run.seed))
     assert trainer.fit() == 0
-    records = [r for r in read_metrics(tmp_path) if "train/loss" in r]
+    records = [r for r in read_metrics(tmp_path) if TRAINING_LOSS in r]
     assert [r["step"] for r in records] == [2, 4]
     unit_rate = f"train/{trainer.task.throughput_unit}_per_s"
     flops_per_step = FLOPS_PER_SAMPLE * config.train.global_batch_size
     for record in records:
         assert TRAIN_KEYS | {unit_rate, f"{unit_rate}_per_device", "train/mfu"} <= set(record)
-        assert record["train/grad_norm"] > 0
+        assert record[f"{TRAIN_PREFIX}grad_norm"] > 0
         assert record[unit_rate] > 0
         achieved = flops_per_step / record["train/step_time_s"]
         assert record["train/mfu"] == pytest.approx(achieved / 1e12)  # of a 1 TFLOP/s peak
@@ -161,7 +161,7 @@ def test_evaluation_and_checkpoint_time_is_not_counted_as_training(
     monkeypatch.setattr(checkpoint_module, "_atomic_save", slow_atomic_save)
     assert trainer.fit() == 0
     assert {("evaluation", 4), ("checkpoint", 4)} <= paused  # inside the window of steps 5-6
-    records = [r for r in read_metrics(tmp_path) if "train/loss" in r]
+    records = [r for r in read_metrics(tmp_path) if TRAINING_LOSS in r]
     assert [r["step"] for r in records] == [2, 4, 6, 8]
     assert [r["train/step_time_s"] for r in records] == pytest.approx([step_s] * 4)
 
@@ -201,7 +201,7 @@ def _train_with_a_slow_loader(rank: int, world_size: int, run_dir: Path) -> list
 @pytest.mark.timeout(120)
 def test_a_rank_starved_for_data_is_named_in_the_log(tmp_path: Path) -> None:
     records = spawn(2, _train_with_a_slow_loader, tmp_path / "run", workdir=tmp_path)[0]
-    train = [r for r in records if "train/loss" in r]
+    train = [r for r in records if TRAINING_LOSS in r]
     assert train and all(r["train/data_wait_max_rank"] == 1 for r in train)
     # Rank 1 waits for most of every step; rank 0 waits for rank 1 in the all-reduce instead.
     assert all(r["train/data_wait_share_max"] > 0.5 for r in train)

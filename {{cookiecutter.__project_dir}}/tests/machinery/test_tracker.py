@@ -21,7 +21,7 @@ from {{ cookiecutter.package_name }}.monitoring.tracker import Tracker
 from {{ cookiecutter.package_name }}.train import main
 from {{ cookiecutter.package_name }}.training.trainer import Trainer
 
-from ..helpers import FAST
+from ..helpers import FAST, TRAINING_LOSS
 
 TOTAL_STEPS = 10
 CRASH_AT_STEP = 7  # checkpoint at 4; steps 5-6 are trained and logged (loss at 6), then lost
@@ -45,7 +45,7 @@ def test_training_writes_to_the_tracker(tmp_path: Path) -> None:
     assert (run_dir / "wandb_run_id").is_file()
     assert list((run_dir / "wandb").glob("offline-run-*"))
 {%- elif cookiecutter.tracker == "mlflow" %}
-    assert _tracked_steps(run_dir, "train/loss") == [2, 4]
+    assert _tracked_steps(run_dir, TRAINING_LOSS) == [2, 4]
 {%- endif %}
 
 
@@ -154,7 +154,7 @@ def _tracked_steps(run_dir: Path, name: str) -> list[int]:
 def _metric(records: list[dict], kind: str) -> str:
     """The training loss, or the first of the metrics the task's evaluation reports."""
     if kind == "train":
-        return "train/loss"
+        return TRAINING_LOSS
     return min(key for record in records for key in record if key.startswith("eval/"))
 
 

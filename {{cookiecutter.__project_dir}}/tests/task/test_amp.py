@@ -10,7 +10,7 @@ import torch
 from {{ cookiecutter.package_name }}.config import load_config
 from {{ cookiecutter.package_name }}.task import Task
 
-from ..helpers import FAST, env_for, make_trainer, spawn
+from ..helpers import FAST, UPDATES, env_for, make_trainer, spawn
 
 
 def _first_step_grad_norm(run_dir: Path, precision: str) -> float:
@@ -21,7 +21,7 @@ def _first_step_grad_norm(run_dir: Path, precision: str) -> float:
     trainer = make_trainer(config)
     trainer.sampler.set_epoch(0)
     grad_norms = trainer.train_step(iter(trainer.train_loader))
-    return grad_norms["grad_norm"].item()
+    return next(iter(grad_norms.values())).item()  # the first update's
 
 
 def test_fp16_clips_the_unscaled_gradients(tmp_path: Path) -> None:
@@ -32,7 +32,7 @@ def test_fp16_clips_the_unscaled_gradients(tmp_path: Path) -> None:
 
 
 class InfOnRankOne(Task):
-    """Rank 1's loss becomes inf during the second optimizer step."""
+    """Rank 1's loss becomes inf at its `poisoned_call`th call."""
 
     def __init__(self, *args: object, rank: int, poisoned_call: int, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
@@ -40,9 +40,9 @@ class InfOnRankOne(Task):
         self.poisoned_call = poisoned_call
         self.calls = 0
 
-    def training_loss(self, model: torch.nn.Module, batch: object) -> object:
+    def training_loss(self, model: torch.nn.Module, batch: object, **update: str) -> object:
         self.calls += 1
-        loss = super().training_loss(model, batch)
+        loss = super().training_loss(model, batch, **update)
         if self.rank == 1 and self.calls == self.poisoned_call:
             return times_inf(loss)
         return loss
@@ -60,21 +60,24 @@ def times_inf(loss: object) -> object:
 def _step_with_inf_on_rank_one(rank: int, world_size: int, run_dir: Path) -> dict:
     config = load_config(None, [*FAST, f"run.dir={run_dir}", "train.mixed_precision=fp16"])
     accumulation = config.train.global_batch_size // (world_size * config.train.micro_batch_size)
-    task = InfOnRankOne(
-        config.task, seed=config.run.seed, rank=rank, poisoned_call=accumulation + 1
-    )
+    # The first micro-batch of the second step (of its first update, in a task with updates).
+    poisoned_call = max(1, len(UPDATES)) * accumulation + 1
+    task = InfOnRankOne(config.task, seed=config.run.seed, rank=rank, poisoned_call=poisoned_call)
     trainer = make_trainer(config, env_for(rank, world_size), task)
+    update = trainer.updates[0]
+    optimizer_steps: list[int] = []
+    update.optimizer.register_step_post_hook(lambda *_: optimizer_steps.append(trainer.step))
     trainer.sampler.set_epoch(0)
     batches = iter(trainer.train_loader)
     trainer.train_step(batches)
-    before = {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
-    scale_before = trainer.scaler.get_scale()
+    before = {name: tensor.clone() for name, tensor in update.module.state_dict().items()}
+    scale_before = update.scaler.get_scale()
     trainer.train_step(batches)
     return {
         "before": before,
-        "after": trainer.model.state_dict(),
-        "scales": (scale_before, trainer.scaler.get_scale()),
-        "optimizer_steps": trainer.optimizer.state_dict()["state"][0]["step"].item(),
+        "after": update.module.state_dict(),
+        "scales": (scale_before, update.scaler.get_scale()),
+        "optimizer_steps": len(optimizer_steps),
     }
 
 

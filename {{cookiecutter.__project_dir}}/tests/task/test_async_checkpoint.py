@@ -15,7 +15,7 @@ from {{ cookiecutter.package_name }}.checkpointing.layout import complete_checkp
 from {{ cookiecutter.package_name }}.cluster.distributed import gather_objects
 from {{ cookiecutter.package_name }}.config import load_config
 
-from ..helpers import FAST, env_for, make_trainer, spawn, train_steps
+from ..helpers import FAST, env_for, make_trainer, optimizer_states, spawn, train_steps
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
@@ -61,8 +61,8 @@ def _unbroken_and_resumed(rank: int, world_size: int, workdir: Path) -> dict:
         "resumed_at": resumed_at,
         "unbroken": unbroken.model.state_dict(),
         "resumed": resumed.model.state_dict(),
-        "unbroken_optimizer": unbroken.optimizer.state_dict()["state"],
-        "resumed_optimizer": resumed.optimizer.state_dict()["state"],
+        "unbroken_optimizer": optimizer_states(unbroken),
+        "resumed_optimizer": optimizer_states(resumed),
     }
 
 
@@ -73,9 +73,11 @@ def test_a_run_resumed_from_background_checkpoints_ends_bitwise_like_an_unbroken
         assert result["resumed_at"] == 8
         for name, tensor in result["unbroken"].items():
             assert torch.equal(tensor, result["resumed"][name]), name
-        for index, state in result["unbroken_optimizer"].items():
-            for key, value in state.items():
-                assert torch.equal(value, result["resumed_optimizer"][index][key]), (index, key)
+        for update, saved in result["unbroken_optimizer"].items():
+            resumed = result["resumed_optimizer"][update]["state"]
+            for index, state in saved["state"].items():
+                for key, value in state.items():
+                    assert torch.equal(value, resumed[index][key]), (update, index, key)
     names = [path.name for path in complete_checkpoints(tmp_path / "async")]
     assert names == ["step_00000004", "step_00000008", "step_00000012"]
 

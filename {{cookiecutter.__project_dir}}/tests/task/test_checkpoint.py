@@ -32,7 +32,15 @@ from {{ cookiecutter.package_name }}.cluster.distributed import DistEnv
 from {{ cookiecutter.package_name }}.config import Config, load_config
 from {{ cookiecutter.package_name }}.monitoring.metrics import MetricsLogger, read_metrics
 
-from ..helpers import FAST, env_for, make_trainer, spawn, train_steps
+from ..helpers import (
+    FAST,
+    UPDATES,
+    env_for,
+    make_trainer,
+    optimizer_states,
+    spawn,
+    train_steps,
+)
 
 SINGLE = DistEnv()
 
@@ -58,6 +66,7 @@ def test_state_holds_everything_needed_to_resume(fast_config: Config) -> None:
         "versions",
         "best",
         "skipped_steps",
+        *(["updates"] if UPDATES else []),  # the names of the task's updates, in order
     }
     assert set(trainer.rank_state_dict()) == {"rank", "rng", "window"}
 
@@ -80,13 +89,15 @@ def test_round_trip_restores_weights_optimizer_and_position(fast_config: Config)
     assert resumed.step == 3
     for name, tensor in trainer.model.state_dict().items():
         assert torch.equal(tensor, resumed.model.state_dict()[name]), name
-    saved_opt, loaded_opt = trainer.optimizer.state_dict(), resumed.optimizer.state_dict()
-    for index, state in saved_opt["state"].items():
-        for key, value in state.items():
-            assert torch.equal(
-                torch.as_tensor(value), torch.as_tensor(loaded_opt["state"][index][key])
-            )
-    assert resumed.scheduler.state_dict() == trainer.scheduler.state_dict()
+    loaded = optimizer_states(resumed)
+    for update, saved_opt in optimizer_states(trainer).items():
+        for index, state in saved_opt["state"].items():
+            for key, value in state.items():
+                assert torch.equal(
+                    torch.as_tensor(value), torch.as_tensor(loaded[update]["state"][index][key])
+                )
+    for before, after in zip(trainer.updates, resumed.updates, strict=True):
+        assert after.scheduler.state_dict() == before.scheduler.state_dict()
     assert torch.equal(torch.get_rng_state(), trainer.rank_state_dict()["rng"]["torch"])
 
 
@@ -140,13 +151,14 @@ def test_fp16_scaler_state_round_trips(tmp_path: Path) -> None:
     config = load_config(None, [*FAST, f"run.dir={tmp_path}", "train.mixed_precision=fp16"])
     trainer = make_trainer(config)
     train_steps(trainer, steps=2)
-    trainer.scaler.update(1024.0)  # a scale that differs from a fresh scaler's
+    scaler = trainer.updates[0].scaler
+    scaler.update(1024.0)  # a scale that differs from a fresh scaler's
     trainer.save()
     resumed = make_trainer(config)
-    assert resumed.scaler.state_dict() != trainer.scaler.state_dict()
+    assert resumed.updates[0].scaler.state_dict() != scaler.state_dict()
     resumed.resume()
-    assert resumed.scaler.state_dict() == trainer.scaler.state_dict()
-    assert resumed.scaler.get_scale() == 1024.0
+    assert resumed.updates[0].scaler.state_dict() == scaler.state_dict()
+    assert resumed.updates[0].scaler.get_scale() == 1024.0
 
 
 def test_completion_marker_is_written_last(

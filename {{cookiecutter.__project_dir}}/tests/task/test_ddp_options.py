@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,8 +20,10 @@ from {{ cookiecutter.package_name }}.task import Task
 
 from ..helpers import (
     FAST,
+    UPDATES,
     Float64Task,
     env_for,
+    first_part,
     flat_grads,
     make_trainer,
     run_torchrun,
@@ -50,20 +54,24 @@ def _training(
     config = load_config(None, [*FAST, f"run.dir={run_dir}", "optim.warmup_steps=2", *overrides])
     task = task_class(config.task, seed=config.run.seed)
     trainer = make_trainer(config, env_for(rank, world_size), task)
-    if hook is not None:
-        trainer.ddp.register_comm_hook(None, hook)
     grads: list[torch.Tensor] = []
-    trainer.optimizer.register_step_pre_hook(lambda *_: grads.append(flat_grads(trainer.model)))
+    for update in trainer.updates:
+        if hook is not None:
+            update.ddp.register_comm_hook(None, hook)
+        update.optimizer.register_step_pre_hook(
+            lambda *_, part=update.module: grads.append(flat_grads(part))
+        )
     weights = train_steps(trainer, STEPS)
-    return {"first_grads": grads[0], "weights": weights}
+    return {"first_grads": torch.cat(grads[: len(trainer.updates)]), "weights": weights}
 
 
 class UnusedLayerTask(Task):
-    """A model with a layer that never takes part in the loss."""
+    """A model with a parameter that never takes part in the loss (a parameter, not a layer: a
+    layer added to an nn.Sequential would run in its forward)."""
 
     def build_model(self) -> nn.Module:
         model = super().build_model()
-        model.unused = nn.Linear(4, 4)
+        first_part(model).register_parameter("unused", nn.Parameter(torch.zeros(4, 4)))
         return model
 
 
@@ -71,8 +79,17 @@ class BypassingTask(Task):
     """A loss that calls the inner module, as `getattr(model, "module", model)` does: no
     gradient is all-reduced."""
 
-    def training_loss(self, model: nn.Module, batch: Any) -> Any:
-        return super().training_loss(getattr(model, "module", model), batch)
+    def training_loss(self, model: nn.Module, batch: Any, **update: str) -> Any:
+        return super().training_loss(_inner(model), batch, **update)
+
+
+def _inner(model: Any) -> Any:
+    """What `getattr(model, "module", model)` reaches: the module DDP wraps (each part's, in a
+    task with updates)."""
+    if not UPDATES:
+        return getattr(model, "module", model)
+    parts = {name: getattr(model, name) for name in UPDATES}
+    return SimpleNamespace(**{name: getattr(p, "module", p) for name, p in parts.items()})
 
 
 def _unused_layer(rank: int, world_size: int, run_dir: Path, *overrides: str) -> str:
@@ -103,7 +120,7 @@ def _each_setting(rank: int, world_size: int, run_dir: Path) -> dict:
     for value in ("true", "false"):
         settings = [*FAST, f"run.dir={run_dir / value}", f"dist.broadcast_buffers={value}"]
         trainer = make_trainer(load_config(None, settings), env_for(rank, world_size))
-        runs["buffer_sync"].append(trainer.ddp.broadcast_buffers)
+        runs["buffer_sync"].append(trainer.updates[0].ddp.broadcast_buffers)
     try:
         _training(rank, world_size, run_dir / "bypass", task_class=BypassingTask)
         runs["bypass"] = "trained"
@@ -170,14 +187,19 @@ def test_a_loss_that_skips_ddp_s_forward_stops_every_rank_at_the_first_step(runs
 
 
 #: A fault entry (helpers.write_fault_entry): the task's loss calls the inner module.
-THROUGH_THE_INNER_MODULE = """
+THROUGH_THE_INNER_MODULE = f"""
+from types import SimpleNamespace
+from typing import Any
+
 from {{ cookiecutter.package_name }}.task import Task
 
+UPDATES = {UPDATES!r}
+{inspect.getsource(_inner)}
 training_loss = Task.training_loss
 
 
-def through_the_inner_module(self, model, batch):
-    return training_loss(self, getattr(model, "module", model), batch)
+def through_the_inner_module(self, model, batch, **update):
+    return training_loss(self, _inner(model), batch, **update)
 
 
 Task.training_loss = through_the_inner_module

@@ -13,7 +13,7 @@ from {{ cookiecutter.package_name }}.checkpointing.layout import latest_checkpoi
 from {{ cookiecutter.package_name }}.config import load_config
 from {{ cookiecutter.package_name }}.monitoring.metrics import read_metrics
 
-from ..helpers import FAST, env_for, make_trainer, run_torchrun, spawn
+from ..helpers import FAST, TRAINING_LOSS, env_for, make_trainer, run_torchrun, spawn
 
 DEFAULT_CONFIG = Path(__file__).parents[2] / "configs" / "default.yaml"
 
@@ -36,8 +36,8 @@ def test_two_ranks_train_checkpoint_and_resume(tmp_path: Path) -> None:
     state = load_checkpoint(latest_checkpoint(run_dir), rank=0, world_size=2).state
     assert (state["step"], state["world_size"]) == (16, 2)
 
-    losses = [r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r]
-    assert [r["step"] for r in read_metrics(run_dir) if "train/loss" in r] == list(range(2, 17, 2))
+    losses = [r[TRAINING_LOSS] for r in read_metrics(run_dir) if TRAINING_LOSS in r]
+    assert [r["step"] for r in read_metrics(run_dir) if TRAINING_LOSS in r] == list(range(2, 17, 2))
     assert all(math.isfinite(loss) for loss in losses)
     assert losses[-1] < losses[0]
 

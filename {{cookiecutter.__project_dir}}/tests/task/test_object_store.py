@@ -18,7 +18,15 @@ from {{ cookiecutter.package_name }}.config import load_config
 from {{ cookiecutter.package_name }}.monitoring.metrics import read_metrics
 
 from ..conftest import S3_SECRET
-from ..helpers import FAST, env_for, make_trainer, run_torchrun, spawn, write_fault_entry
+from ..helpers import (
+    FAST,
+    TRAINING_LOSS,
+    env_for,
+    make_trainer,
+    run_torchrun,
+    spawn,
+    write_fault_entry,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.faults, pytest.mark.timeout(300)]
 
@@ -54,7 +62,7 @@ storage.ObjectStorage.write = killed_mid_upload
 
 
 def _losses(records: list[dict]) -> list[tuple]:
-    return [(r["step"], r.get("train/loss"), r.get("eval/loss")) for r in records]
+    return [(r["step"], r.get(TRAINING_LOSS), r.get("eval/loss")) for r in records]
 
 
 def _unbroken(rank: int, world_size: int, run_dir: Path) -> None:

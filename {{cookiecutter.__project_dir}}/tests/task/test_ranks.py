@@ -30,7 +30,7 @@ def _corrupt_rank_one_at_step_three(rank: int, world_size: int, run_dir: Path) -
             with torch.no_grad():
                 next(trainer.model.parameters()).add_(1e-3)
 
-    trainer.optimizer.register_step_post_hook(corrupt)
+    trainer.updates[0].optimizer.register_step_post_hook(corrupt)
     try:
         trainer.fit()
     except ReplicaMismatchError as error:

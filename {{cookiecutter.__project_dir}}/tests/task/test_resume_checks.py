@@ -20,7 +20,7 @@ from {{ cookiecutter.package_name }}.task import Task, TaskConfig
 from {{ cookiecutter.package_name }}.train import main
 from {{ cookiecutter.package_name }}.training.trainer import Trainer
 
-from ..helpers import FAST, make_trainer, train_steps
+from ..helpers import FAST, TRAINING_LOSS, make_trainer, train_steps
 
 SAVED_AT = 4
 
@@ -30,10 +30,12 @@ def _overrides(run_dir: Path, *extra: str) -> list[str]:
 
 
 class OneGroup(Task):
-    """The project's task with the default optimizer group, which sets no option of its own:
-    every optim.* setting applies to it, whatever groups the task makes."""
+    """The project's task with the default optimizer group, AdamW and schedule, which set no
+    option of their own: every optim.* setting applies to them, whatever the task builds."""
 
     param_groups = TaskBase.param_groups
+    build_optimizer = TaskBase.build_optimizer
+    build_scheduler = TaskBase.build_scheduler
 
 
 def _trainer(*overrides: str) -> Trainer:
@@ -57,14 +59,14 @@ def test_a_changed_learning_rate_is_applied_from_the_current_step_and_said(
     with caplog.at_level(logging.INFO):
         resumed = _resume_with(tmp_path, "optim.lr=0.001")
     expected = 0.001 * warmup_cosine(SAVED_AT, 20, 12, 0.1)
-    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(expected)
-    assert resumed.scheduler.base_lrs == [0.001]
+    assert resumed.updates[0].optimizer.param_groups[0]["lr"] == pytest.approx(expected)
+    assert resumed.updates[0].scheduler.base_lrs == [0.001]
     assert "optim.lr changed from 0.003 to 0.001: applied" in caplog.text
 
 
 def test_changed_weight_decay_and_betas_reach_the_optimizer(tmp_path: Path) -> None:
     resumed = _resume_with(tmp_path, "optim.weight_decay=0.5", "optim.betas=[0.8,0.9]")
-    group = resumed.optimizer.param_groups[0]
+    group = resumed.updates[0].optimizer.param_groups[0]
     assert (group["weight_decay"], tuple(group["betas"])) == (0.5, (0.8, 0.9))
 
 
@@ -74,7 +76,7 @@ def test_a_longer_run_stretches_the_schedule_to_its_new_end(
     with caplog.at_level(logging.INFO):
         resumed = _resume_with(tmp_path, "train.max_steps=40", "optim.warmup_steps=2")
     expected = 0.003 * warmup_cosine(SAVED_AT, 2, 40, 0.1)
-    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(expected)
+    assert resumed.updates[0].optimizer.param_groups[0]["lr"] == pytest.approx(expected)
     assert "train.max_steps changed from 12 to 40: applied" in caplog.text
     assert "optim.warmup_steps changed from 20 to 2: applied" in caplog.text
 
@@ -89,8 +91,8 @@ def test_unchanged_settings_resume_without_a_word_about_changes(
 
 def test_turning_fp16_on_at_resume_starts_a_fresh_loss_scaler(tmp_path: Path) -> None:
     resumed = _resume_with(tmp_path, "train.mixed_precision=fp16")
-    assert resumed.scaler.is_enabled()
-    assert resumed.scaler.get_scale() == 2.0**16
+    assert resumed.updates[0].scaler.is_enabled()
+    assert resumed.updates[0].scaler.get_scale() == 2.0**16
 
 
 @dataclass
@@ -136,9 +138,9 @@ def test_a_run_that_died_before_its_first_checkpoint_leaves_no_records_behind(
 ) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    dead = {"step": 2, "train/loss": 99.0}
+    dead = {"step": 2, TRAINING_LOSS: 99.0}
     (run_dir / METRICS_FILE).write_text(json.dumps(dead) + "\n")
     assert main(_overrides(run_dir, "train.max_steps=4")) == 0
     records = read_metrics(run_dir)
     assert dead not in records
-    assert [record["step"] for record in records if "train/loss" in record] == [2, 4]
+    assert [record["step"] for record in records if TRAINING_LOSS in record] == [2, 4]

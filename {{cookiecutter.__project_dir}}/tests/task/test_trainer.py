@@ -19,7 +19,7 @@ from {{ cookiecutter.package_name }}.task import Task
 from {{ cookiecutter.package_name }}.train import main
 from {{ cookiecutter.package_name }}.training.trainer import batch_split
 
-from ..helpers import FAST, make_trainer
+from ..helpers import FAST, TRAINING_LOSS, first_part, make_trainer
 
 
 @pytest.mark.parametrize(
@@ -75,7 +75,7 @@ def test_single_process_training_lowers_the_loss(tmp_path: Path, precision: str)
         )
         == 0
     )
-    losses = [r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r]
+    losses = [r[TRAINING_LOSS] for r in read_metrics(run_dir) if TRAINING_LOSS in r]
     assert all(math.isfinite(loss) for loss in losses)
     assert losses[-1] < losses[0]
     assert (run_dir / "config.yaml").is_file()
@@ -117,7 +117,7 @@ def test_batch_norm_is_announced_once_and_sync_batch_norm_not(
     class WithNorm(Task):
         def build_model(self) -> nn.Module:
             model = super().build_model()
-            model.added_norm = norm(4)
+            first_part(model).added_norm = norm(4)
             return model
 
     config = load_config(None, [*FAST, f"run.dir={tmp_path}"])
