@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 DEMO := build/demo
+GPU_CHECK := build/gpu-check
 
-.PHONY: venv test lint demo bench docs docs-serve clean
+.PHONY: venv test lint demo bench gpu-check docs docs-serve clean
 
 $(VENV)/.installed: requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +42,16 @@ demo: venv
 ## CPU processes, its launch and its all-reduce; writes docs/benchmarks.md. Not part of `test`.
 bench: $(VENV)/.bench-installed
 	OMP_NUM_THREADS=1 $(BIN)/python bench/run.py $(BENCH_ARGS)
+
+## On a GPU machine: render a `gpt` project and run its `make gpu-check` (the GPU tests, a
+## bitwise resume on CUDA, bf16 and fp16 steps, the gpt example at GPT-2 124M's shape eager and
+## compiled, the checkpoint stall, the doctor): within 8 minutes on one GPU, it prints the
+## table for the "GPU check" section of docs/benchmarks.md. .venv's torch must be a CUDA build
+## (PyPI's on Linux is); without a GPU it says so and exits 2. Not part of `test`.
+gpu-check: venv
+	rm -rf $(GPU_CHECK)
+	$(BIN)/cookiecutter --no-input . --output-dir $(GPU_CHECK) example=gpt
+	cd $(GPU_CHECK)/ddp-project && PYTHONPATH=src $(CURDIR)/$(BIN)/python benchmarks/gpu_check.py
 
 # pip takes no extras in a constraints file: the test pins without them.
 $(VENV)/.bench-installed: requirements-bench.txt $(VENV)/.installed

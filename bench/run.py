@@ -23,7 +23,8 @@ OMP_NUM_THREADS=1) with the default task's MLP at micro-batch 32 in fp32:
 8. the ranks' agreement before the first step (agreement.py) on 2 and 8 ranks, and the
    preflight check (`python -m <package>.doctor`) on 2.
 
-Then writes docs/benchmarks.md with the machine, the conditions and the figures.
+Then writes docs/benchmarks.md with the machine, the conditions and the figures. Its last
+section, the GPU check, holds what `make gpu-check` printed on a GPU machine: kept as it is.
 """
 
 from __future__ import annotations
@@ -260,8 +261,9 @@ RATIO_HEADER = [
 ]
 
 
-def document(figures: dict) -> str:
-    """docs/benchmarks.md from the figures."""
+def document(figures: dict, previous: str) -> str:
+    """docs/benchmarks.md from the figures, and the GPU check's figures of `previous` (the page
+    it replaces)."""
     default, accumulation = figures["steps"]["default"], figures["steps"]["accumulation_4"]
     machine, args = figures["machine"], figures["args"]
     lines = [
@@ -270,8 +272,8 @@ def document(figures: dict) -> str:
         "Written by `make bench` (`bench/run.py`); run it to measure your own machine. The",
         "generated project has the same benchmarks for its users: `benchmarks/overhead.py`",
         "(the Trainer against a plain DDP loop), `benchmarks/allreduce.py`,",
-        "`benchmarks/shards.py` (token shards, in a `gpt` project) and",
-        "`benchmarks/checkpoint_stall.py`.",
+        "`benchmarks/shards.py` (token shards, in a `gpt` project),",
+        "`benchmarks/checkpoint_stall.py` and `benchmarks/gpu_check.py` (the GPU check, below).",
         "",
         f"- Machine: {machine['cpu']}, {machine['cores']} cores, {machine['system']}; Python "
         f"{machine['python']}, torch {machine['torch']}, Lightning {machine['lightning']}.",
@@ -416,16 +418,60 @@ def document(figures: dict) -> str:
         "",
         *scale_sections(figures["shards"], figures["stall"]),
         *agreement_section(figures["agreement"]),
-        "## On GPUs",
-        "",
-        "The figures above are CPU figures. On a GPU machine, the generated project measures",
-        "what matters there: `torchrun --standalone --nproc-per-node=gpu benchmarks/allreduce.py`",
-        "gives the NCCL bus bandwidth per message size, `benchmarks/overhead.py` the Trainer",
-        "against the plain loop, and the `gpt` example's log lines its tokens/s and MFU, eager",
-        "and with `train.compile=true`.",
-        "",
+        *gpu_check_section(previous),
     ]
     return "\n".join(lines)
+
+
+#: The line above the GPU check's figures: `make bench` runs on CPUs and keeps what follows it.
+GPU_FIGURES_MARK = "<!-- What `make gpu-check` printed on a GPU machine; `make bench` keeps it. -->"
+#: The GPU check's rows, before a GPU machine has run it.
+GPU_FIGURES_PLACEHOLDER = [
+    "No GPU figures yet. `make gpu-check` prints the GPUs, the versions and the dense bf16 peak",
+    "on this line, and this table with its results and figures:",
+    "",
+    "| check | result | figures |",
+    "| --- | --- | --- |",
+    "| GPU tests (`pytest -m gpu`) | | the tests passed, skipped and failed; seconds |",
+    "| bitwise resume on CUDA | | |",
+    "| bf16 steps | | |",
+    "| fp16 steps (loss scaling) | | |",
+    "| NCCL hang: every rank's flight recorder and stacks | | needs 2 GPUs |",
+    "| `gpt` at GPT-2 124M's shape, bf16, eager | | tokens/s, MFU |",
+    "| `gpt` at GPT-2 124M's shape, bf16, torch.compile | | tokens/s, MFU |",
+    "| checkpoint stall, synchronous | | seconds training waits for the state's GB |",
+    "| checkpoint stall, in the background (pinned memory) | | seconds training pauses, its "
+    "share of the synchronous save; seconds the write takes |",
+    "| doctor | | its FAIL, WARN and PASS checks |",
+]
+
+
+def gpu_check_section(previous: str) -> list[str]:
+    """The GPU check: what `make gpu-check` runs, then the figures after GPU_FIGURES_MARK in
+    `previous`, or the placeholder."""
+    _, mark, figures = previous.partition(GPU_FIGURES_MARK)
+    kept = figures.strip().splitlines() if mark else GPU_FIGURES_PLACEHOLDER
+    return [
+        "## GPU check",
+        "",
+        "The figures above are CPU figures. On a GPU machine, `make gpu-check` renders a `gpt`",
+        "project and runs its own `make gpu-check` (`benchmarks/gpu_check.py`), each piece within",
+        "its share of 8 minutes on one GPU: the GPU tests (`pytest -m gpu`; among them a run",
+        "resumed on CUDA that ends bitwise like an unbroken one, steps in bf16 and in fp16, and",
+        "with 2 GPUs NCCL training and the flight recorder of a hung rank), the `gpt` example at",
+        "GPT-2 124M's shape in bf16, eager and with torch.compile (tokens/s, and MFU against the",
+        "GPU's dense bf16 peak), the checkpoint stall of a 1 GB state on the GPU (saved at once,",
+        "and in the background through pinned memory) and the doctor. It prints the lines that",
+        "replace those below, and exits 1 when a check failed or ran out of time; without a GPU",
+        "it says so and exits 2. `torchrun --standalone --nproc-per-node=gpu",
+        "benchmarks/allreduce.py` adds the NCCL bus bandwidth per message size, and",
+        "`benchmarks/overhead.py` the Trainer against the plain loop on GPUs.",
+        "",
+        GPU_FIGURES_MARK,
+        "",
+        *kept,
+        "",
+    ]
 
 
 def scale_sections(shards: dict, stall: dict) -> list[str]:
@@ -570,7 +616,8 @@ def main() -> int:
         "wall_s": time.perf_counter() - started,
     }
     (OUT / "figures.json").write_text(json.dumps(figures, indent=2) + "\n")
-    args.output.write_text(document(figures))
+    previous = args.output.read_text() if args.output.exists() else ""
+    args.output.write_text(document(figures, previous))
     print(args.output.read_text())
     return 0
 

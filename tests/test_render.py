@@ -76,6 +76,7 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
         "benchmarks/allreduce.py",
         "benchmarks/overhead.py",
         "benchmarks/checkpoint_stall.py",
+        "benchmarks/gpu_check.py",
     }
     tests = {
         "task": ["amp", "async_checkpoint", "async_checkpoint_faults", "best", "checkpoint"],
@@ -85,8 +86,9 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
     tests["task"] += ["gpu", "gradients", "loss_normalisation", "object_store", "parent_death"]
     tests["task"] += ["ranks", "restart", "resume", "resume_checks", "sharding", "stop_signal"]
     tests["task"] += ["timeouts", "trainer", "weights"]
-    tests["machinery"] += ["data", "distributed_env", "doctor", "launch", "network", "plot"]
-    tests["machinery"] += ["moved_modules", "run_lock", "storage", "throughput"]
+    tests["machinery"] += ["data", "distributed_env", "doctor", "flight_recorder", "gpu_check"]
+    tests["machinery"] += ["launch", "network", "plot", "moved_modules", "run_lock", "storage"]
+    tests["machinery"] += ["throughput"]
     for folder, names in tests.items():
         files.add(f"tests/{folder}/__init__.py")
         files |= {f"tests/{folder}/test_{name}.py" for name in names}
@@ -100,11 +102,12 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
     modules += [f"checkpointing/{name}" for name in ("layout", "newest_intact", "retention")]
     modules += [f"checkpointing/{name}" for name in ("resume", "run_lock", "storage", "weights")]
     modules += [f"cluster/{name}" for name in ("agreement", "distributed", "network")]
-    modules += [f"faults/{name}" for name in ("parent_watch", "signals", "stopping", "watchdog")]
+    modules += [f"faults/{name}" for name in ("flight_recorder", "parent_watch", "signals")]
+    modules += [f"faults/{name}" for name in ("stopping", "watchdog")]
     modules += ["loading/data"]
     modules += [f"monitoring/{name}" for name in ("logs", "metrics", "profiling", "throughput")]
     modules += [f"training/{name}" for name in ("divergence", "losses", "optimizer", "rng")]
-    modules += ["training/trainer"]
+    modules += ["training/trainer", "training/updates"]
     files |= {f"src/{package}/{name}.py" for name in modules}
     if combo["use_slurm"]:
         files.add("launch/slurm/train.sbatch")

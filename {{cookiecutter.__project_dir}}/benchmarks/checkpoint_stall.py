@@ -2,11 +2,14 @@
 
     python benchmarks/checkpoint_stall.py                   # a state of about 1 GB, on CPU
     python benchmarks/checkpoint_stall.py --state-gb 4 --json stall.json
+    python benchmarks/checkpoint_stall.py --device cuda     # the state on the GPU
 
 One process with a gloo group of one rank trains a stack of square linear layers with AdamW on
-the CPU, sized so that the weights and Adam's two moments add up to `--state-gb`, and saves
+`--device`, sized so that the weights and Adam's two moments add up to `--state-gb`, and saves
 their checkpoint with the project's own code (checkpoint.save_checkpoint, and the writer of
-background_save.py), into `--run-dir` (default: a temporary directory, which is removed).
+background_save.py), into `--run-dir` (default: a temporary directory, which is removed). On a
+GPU the background save copies the state into pinned host memory, as training on GPUs does,
+and every time waits for the device's queued work.
 
 - synchronous: the seconds `save_checkpoint` takes, all of which training waits;
 - asynchronous: the seconds training pauses to copy the state into host memory (the first save
@@ -38,6 +41,7 @@ import torch.distributed as dist
 from {{ cookiecutter.package_name }}.checkpointing.background_save import BackgroundSaver, CompletedSave
 from {{ cookiecutter.package_name }}.checkpointing.checkpoint import save_checkpoint
 from {{ cookiecutter.package_name }}.cluster.distributed import DistEnv
+from {{ cookiecutter.package_name }}.monitoring.throughput import synchronize
 
 WIDTH = 2048
 #: float32 weights plus Adam's two moments of the same size.
@@ -49,22 +53,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--state-gb", type=float, default=1.0, help="weights + Adam state, GB")
     parser.add_argument("--repeats", type=int, default=3, help="saves of each kind")
     parser.add_argument("--batch", type=int, default=16, help="samples per training step")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where it trains")
     parser.add_argument("--speed-s", type=float, default=2.0, help="seconds of steps per s idle")
     parser.add_argument("--run-dir", type=Path, help="where to write (default: a temp dir)")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     return parser.parse_args(argv)
 
 
-def build(state_gb: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(state_gb: float, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     layers = max(1, round(state_gb * 1e9 / BYTES_PER_PARAMETER / (WIDTH * WIDTH + WIDTH)))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+    model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     return model, optimizer
 
 
 def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: int) -> None:
-    inputs = torch.randn(batch, WIDTH)
+    inputs = torch.randn(batch, WIDTH, device=next(model.parameters()).device)
     loss = model(inputs).square().mean()
     loss.backward()
     optimizer.step()
@@ -91,16 +97,20 @@ def state_bytes(state: Any) -> int:
 def steps_per_s(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: int, seconds: float
 ) -> float:
+    device = next(model.parameters()).device
+    synchronize(device)
     started, steps = time.perf_counter(), 0
     while steps < 3 or time.perf_counter() - started < seconds:
         step(model, optimizer, batch)
         steps += 1
+    synchronize(device)
     return steps / (time.perf_counter() - started)
 
 
 def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     env = DistEnv()
-    model, optimizer = build(args.state_gb)
+    device = torch.device(args.device)
+    model, optimizer = build(args.state_gb, device)
     step(model, optimizer, args.batch)  # Adam's moments exist from the first step
     number = 1
 
@@ -114,18 +124,20 @@ def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     for _ in range(args.repeats):
         number += 1
         step(model, optimizer, args.batch)
+        synchronize(device)
         started = time.perf_counter()
         write_with(None)(state_of(model, optimizer, number))
         sync_s.append(time.perf_counter() - started)
 
     idle = steps_per_s(model, optimizer, args.batch, args.speed_s)
 
-    saver = BackgroundSaver(pin_memory=False, timeout_s=1800)
+    saver = BackgroundSaver(pin_memory=device.type == "cuda", timeout_s=1800)
     completed: list[CompletedSave] = []
     stalls, busy = [], []
     for _ in range(args.repeats + 1):  # the first allocates the host copy
         number += 1
         step(model, optimizer, args.batch)
+        synchronize(device)
         states = state_of(model, optimizer, number)
         stalls.append(saver.start(number, states, write_with(saver.group), completed.append))
         started, steps, count = time.perf_counter(), 0, len(completed)
@@ -133,6 +145,7 @@ def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
             step(model, optimizer, args.batch)
             steps += 1
             saver.poll()
+        synchronize(device)
         busy.append(steps / (time.perf_counter() - started))
     saver.wait()
 
@@ -150,6 +163,8 @@ def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         "steps_per_s_during_save": statistics.median(busy),
         "repeats": args.repeats,
         "threads": torch.get_num_threads(),
+        "device": str(device),
+        "pin_memory": saver.host.pin_memory,
     }
 
 
@@ -157,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.repeats < 1 or not math.isfinite(args.state_gb) or args.state_gb <= 0:
         raise SystemExit("--repeats must be >= 1 and --state-gb positive")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA GPU is visible")
     workdir = Path(tempfile.mkdtemp(prefix="checkpoint-stall-"))
     run_dir = args.run_dir or workdir / "run"
     store = dist.FileStore(os.fspath(workdir / "store"), 1)

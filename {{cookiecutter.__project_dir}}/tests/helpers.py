@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -60,6 +62,19 @@ FAST = [
     "data.num_workers=0",
     *getattr(Task, "test_settings", ()),
 ]
+
+#: The project's benchmark scripts (benchmarks/ is not a package).
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """A script of benchmarks/ as a module (the folder is not a package), registered under its
+    name as an import would be (dataclasses look their module up there)."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_torchrun(

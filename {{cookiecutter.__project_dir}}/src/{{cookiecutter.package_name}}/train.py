@@ -49,11 +49,12 @@ from .cluster.distributed import (
     refuse_static_graph_with_accumulation,
 )
 from .config import Config, ConfigError, DistConfig, load_config, settings, to_yaml
+from .faults.flight_recorder import traces_dir
 from .faults.parent_watch import launcher_watched
 from .faults.stopping import EXIT_INTERRUPTED, StopRequests
-from .faults.watchdog import hangs_reported, startup_bounded, stop_deadline
+from .faults.watchdog import aborts_reported, hangs_reported, startup_bounded, stop_deadline
 from .launch import exit_status_recorded
-from .monitoring.logs import setup_logging
+from .monitoring.logs import log_file_name, setup_logging
 from .monitoring.metrics import MetricsLogger
 {%- if cookiecutter.tracker != "none" %}
 from .monitoring.tracker import Tracker
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 config.dist,
                 agree=lambda store, device: _agree(store, device, config, env),
                 starting=startup_bounded(stop, env, config.dist.timeout_s),
+                comm_traces=traces_dir(local_dir),
             ) as device,
             owned_run_dir(run_dir, env) as lock,
             stop_deadline(stop, env, local_dir, config),
@@ -145,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                 _announce_object_store(run_dir, restored)
             if lock is not None:
                 _clear_dead_job(lock, run_dir)
-            return train(config, env, device, run_dir, stop)
+            with aborts_reported(local_dir / log_file_name(env.rank)):
+                return train(config, env, device, run_dir, stop)
     except RunDirBusyError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_RUN_DIR_BUSY

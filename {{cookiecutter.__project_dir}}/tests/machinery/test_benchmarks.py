@@ -5,30 +5,18 @@ Tiny sizes: these check that the scripts work and compute what they claim, not t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from ..helpers import FAST, UPDATES, run_torchrun
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from ..helpers import BENCHMARKS, FAST, UPDATES, load_benchmark, run_torchrun
 
 pytestmark = pytest.mark.distributed
-
-
-def load_benchmark(name: str) -> ModuleType:
-    """A script of benchmarks/ as a module (the folder is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_allreduce_reports_bus_bandwidth_as_nccl_tests_define_it(tmp_path: Path) -> None:
@@ -104,3 +92,4 @@ def test_checkpoint_stall_reports_the_pause_of_both_kinds_of_save_and_their_rati
     assert record["sync_save_s"] > 0 and record["async_stall_s"] > 0
     assert record["stall_ratio"] == pytest.approx(record["async_stall_s"] / record["sync_save_s"])
     assert record["steps_per_s_idle"] > 0 and record["steps_per_s_during_save"] > 0
+    assert (record["device"], record["pin_memory"]) == ("cpu", False)

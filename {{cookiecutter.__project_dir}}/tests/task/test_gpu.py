@@ -1,7 +1,13 @@
-"""The same training on CUDA with NCCL. Skipped, with the reason, where GPUs are missing."""
+"""The same training on CUDA with NCCL. Skipped, with the reason, where GPUs are missing.
+
+`make gpu-check` (benchmarks/gpu_check.py) runs these with the GPU's figures.
+"""
 
 from __future__ import annotations
 
+import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,11 +17,13 @@ from {{ cookiecutter.package_name }}.checkpointing.checkpoint import load_checkp
 from {{ cookiecutter.package_name }}.checkpointing.layout import latest_checkpoint
 from {{ cookiecutter.package_name }}.cluster.distributed import DistEnv
 from {{ cookiecutter.package_name }}.config import load_config
-from {{ cookiecutter.package_name }}.monitoring.metrics import MetricsLogger
+from {{ cookiecutter.package_name }}.faults.flight_recorder import FILE_PREFIX
+from {{ cookiecutter.package_name }}.monitoring.metrics import MetricsLogger, read_metrics
 from {{ cookiecutter.package_name }}.task import Task
 from {{ cookiecutter.package_name }}.training.trainer import Trainer
 
-from ..helpers import FAST, run_torchrun
+from ..helpers import FAST, run_torchrun, write_fault_entry
+from .test_timeouts import HANG
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -67,3 +75,85 @@ def test_two_gpus_train_checkpoint_and_resume_with_nccl(tmp_path: Path) -> None:
     assert "resumed from" in second.stderr
     state = load_checkpoint(latest_checkpoint(run_dir), rank=0, world_size=2).state
     assert (state["step"], state["world_size"]) == (16, 2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_one_gpu_trains_in_each_precision(tmp_path: Path, precision: str) -> None:
+    """bf16 autocast needs no loss scaling; fp16 scales the loss and checkpoints its scaler."""
+    run_dir = tmp_path / "run"
+    overrides = [f"run.dir={run_dir}", "train.max_steps=8", f"train.mixed_precision={precision}"]
+    result = run_torchrun(1, [*FAST, *overrides])
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [record["train/loss"] for record in read_metrics(run_dir) if "train/loss" in record]
+    assert losses and all(math.isfinite(loss) for loss in losses)
+    state = load_checkpoint(latest_checkpoint(run_dir), rank=0, world_size=1).state
+    assert bool(state["scaler"]) == (precision == "fp16")
+
+
+#: Deterministic CUDA kernels where torch has them (both runs alike), and one failure in step 6
+#: of the first attempt when FAIL_ONCE is set: torchrun restarts the rank, which resumes from
+#: the checkpoint of step 4.
+DETERMINISTIC_FAILING_ONCE = """
+import torch
+
+torch.use_deterministic_algorithms(True, warn_only=True)
+train_step = Trainer.train_step
+
+
+def failing_train_step(self, batches):
+    first_attempt = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+    if os.environ.get("FAIL_ONCE") and first_attempt and self.step + 1 == 6:
+        raise RuntimeError("fails once in step 6")
+    return train_step(self, batches)
+
+
+Trainer.train_step = failing_train_step
+"""
+
+
+def _final_weights(run_dir: Path, entry: Path) -> dict[str, torch.Tensor]:
+    """The weights at the end of a one-GPU run of `entry`, which torchrun restarts once."""
+    overrides = [*FAST, f"run.dir={run_dir}", "train.max_steps=8"]
+    result = run_torchrun(1, overrides, entry=entry, max_restarts=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return load_checkpoint(latest_checkpoint(run_dir), rank=0, world_size=1).state["model"]
+
+
+@needs_cuda
+def test_a_run_resumed_on_cuda_ends_bitwise_like_an_unbroken_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoint holds all a CUDA run needs, the device's random state included."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+    entry = write_fault_entry(tmp_path, DETERMINISTIC_FAILING_ONCE)
+    unbroken = _final_weights(tmp_path / "unbroken", entry)
+    monkeypatch.setenv("FAIL_ONCE", "1")
+    resumed = _final_weights(tmp_path / "resumed", entry)
+    assert "resumed from" in (tmp_path / "resumed" / "train.log").read_text()
+    assert unbroken.keys() == resumed.keys()
+    assert all(torch.equal(unbroken[key], resumed[key]) for key in unbroken)
+
+
+@needs_cuda
+@needs_two_gpus
+def test_a_rank_hung_under_nccl_leaves_every_rank_s_flight_recorder_and_the_stacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 hangs in step 6. Rank 0's all-reduce times out in NCCL's watchdog, which has every
+    rank write its flight recorder to comm_traces/ and then aborts rank 0, whose Python stacks
+    go to train.log; torchrun's SIGTERM then makes rank 1 write its stacks. torchfrtrace names
+    rank 1 as the rank that did not join rank 0's all-reduce."""
+    monkeypatch.setenv("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "2000")  # 8 s for the files
+    run_dir = tmp_path / "run"
+    overrides = [*FAST, f"run.dir={run_dir}", "train.max_steps=6", "dist.backend=nccl"]
+    overrides += ["dist.timeout_s=4", "checkpoint.stop_check_s=0.2"]
+    result = run_torchrun(2, overrides, timeout=300, entry=write_fault_entry(tmp_path, HANG))
+    assert result.returncode != 0
+    traces = run_dir / "comm_traces"
+    assert {f"{FILE_PREFIX}0", f"{FILE_PREFIX}1"} <= {path.name for path in traces.iterdir()}
+    command = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(traces)]
+    analysis = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert "missing ranks: {1}" in analysis.stdout + analysis.stderr
+    assert "Fatal Python error: Aborted" in (run_dir / "train.log").read_text()
+    assert "in hanging_train_step" in (run_dir / "stacks" / "rank_00001.txt").read_text()

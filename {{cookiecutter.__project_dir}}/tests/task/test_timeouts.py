@@ -2,7 +2,9 @@
 waited for: tests/task/test_restart.py), and is named: the log says which rank did not arrive, and
 every rank leaves its Python stacks in the run directory. A rank that waits at start-up for a
 peer that never comes ends after the start-up timeout, or at once on a stop signal or when its
-launcher dies, instead of waiting in a connect that no Python handler interrupts."""
+launcher dies, instead of waiting in a connect that no Python handler interrupts. A rank ended
+by a fatal signal (NCCL's watchdog aborts a rank whose collective timed out) leaves its stacks
+in its log."""
 
 from __future__ import annotations
 
@@ -71,6 +73,34 @@ def test_a_hung_rank_is_named_leaves_its_stacks_and_ends_without_being_killed(
     assert "in hanging_train_step" in hung
     waiting = (run_dir / "stacks" / "rank_00000.txt").read_text()
     assert "Timed out" in waiting
+
+
+#: Rank 1 aborts in step 3, as NCCL's watchdog aborts a rank whose collective timed out.
+ABORT = """
+train_step = Trainer.train_step
+
+
+def aborting_train_step(self, batches):
+    if self.env.rank == 1 and self.step + 1 == 3:
+        os.abort()
+    return train_step(self, batches)
+
+
+Trainer.train_step = aborting_train_step
+"""
+
+
+def test_a_rank_ended_by_a_fatal_signal_leaves_its_python_stacks_in_its_log(
+    tmp_path: Path,
+) -> None:
+    """SIGABRT, where no Python handler runs: faulthandler writes the stacks of the rank's
+    threads to its log file first."""
+    run_dir = tmp_path / "run"
+    result = run_torchrun(2, _overrides(run_dir), entry=write_fault_entry(tmp_path, ABORT))
+    assert result.returncode != 0
+    log = (run_dir / "train.rank1.log").read_text()
+    assert "Fatal Python error: Aborted" in log
+    assert "in aborting_train_step" in log
 
 
 def _rank_0_of_two(tmp_path: Path, *overrides: str) -> tuple[list[str], dict[str, str]]:

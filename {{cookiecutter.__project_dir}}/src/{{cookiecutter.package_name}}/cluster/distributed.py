@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config import ConfigError, DistConfig
+from ..faults.flight_recorder import record_collectives
 
 #: Set by process_group(); None for a single process, and in tests that start their own group.
 _control_group: dist.ProcessGroup | None = None
@@ -204,6 +206,7 @@ def process_group(
     config: DistConfig,
     agree: Callable[[dist.Store, torch.device], object] | None = None,
     starting: AbstractContextManager | None = None,
+    comm_traces: Path | None = None,
 ) -> Iterator[torch.device]:
     """Start the process group (if there is more than one rank) and always tear it down.
 
@@ -215,6 +218,8 @@ def process_group(
     `agree(store, device)` runs once the ranks have met in the rendezvous store and before the
     group starts (agreement.py: the ranks compare how they were launched). `starting` is
     entered around the whole start (watchdog.startup_bounded: a bound, and stop signals).
+    With `comm_traces`, an NCCL group's flight recorder writes there when a collective times
+    out (flight_recorder.py).
 
     On success every rank meets at a barrier before leaving, so no rank exits while another still
     needs it. On an exception there is no barrier (the peers may be gone or hung): the group is
@@ -224,7 +229,7 @@ def process_group(
     if env.world_size > 1:
         with starting or nullcontext():
             try:
-                _start(env, config, device, agree)
+                _start(env, config, device, agree, comm_traces)
             except BaseException:
                 destroy_process_groups()
                 raise
@@ -246,6 +251,7 @@ def _start(
     config: DistConfig,
     device: torch.device,
     agree: Callable[[dist.Store, torch.device], object] | None,
+    comm_traces: Path | None,
 ) -> None:
     """Meet in the rendezvous store, agree, then start the default group and the gloo ones."""
     global _store
@@ -254,6 +260,8 @@ def _start(
     _store = open_store(env, timeout)
     if agree is not None:
         agree(_store, device)
+    if backend == "nccl" and comm_traces is not None:  # torch reads them as the group starts
+        record_collectives(config.flight_recorder_entries, comm_traces, env.rank, env.local_rank)
     options: dict[str, Any] = {}
     if backend != "mpi":  # MPI knows its ranks and needs no store
         options = {"store": dist.PrefixStore("default_pg", _store)}

@@ -338,6 +338,9 @@ class DistConfig:
     many steps (a debugging aid: replicas that drift apart mean a bug outside DDP).
     Before the first step the ranks compare their code, settings, versions, devices and data
     (agreement.py); `allow_mixed_devices` lets ranks with different GPU types train together.
+    Under NCCL, each rank's flight recorder keeps its last `flight_recorder_entries` collectives
+    and writes them to `<run.dir>/comm_traces/` when one times out, for `torchfrtrace` to name
+    the ranks that did not join (faults/flight_recorder.py; 0 turns it off).
 
     DDP: gradients are all-reduced in buckets of `bucket_cap_mb`, overlapped with backward.
     `broadcast_buffers` copies rank 0's buffers (e.g. BatchNorm statistics) to the others at
@@ -375,6 +378,8 @@ class DistConfig:
     check_replicas_every: int = 0
     #: Train on ranks with different GPU types (refused by default).
     allow_mixed_devices: bool = False
+    #: NCCL collectives each rank keeps, written to <run.dir>/comm_traces/ on a timeout; 0: off.
+    flight_recorder_entries: int = 2000
 
     def validate(self) -> None:
         _positive(
@@ -386,6 +391,10 @@ class DistConfig:
         )
         if self.check_replicas_every < 0:
             raise ConfigError("dist.check_replicas_every must be >= 0 (0 turns the check off)")
+        if self.flight_recorder_entries < 0:
+            raise ConfigError(
+                "dist.flight_recorder_entries must be >= 0 (0 turns NCCL's flight recorder off)"
+            )
 
 
 @dataclass

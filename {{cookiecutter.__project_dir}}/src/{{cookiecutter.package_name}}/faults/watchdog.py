@@ -12,6 +12,11 @@
   died), and names the ranks that did not answer, with their hosts: hung, dead, or cut off;
   every other rank reads that answer, or, when rank 0 does not give it in time, names rank 0's
   host as the one it lost contact with. Every wait there is bounded, on every rank.
+- A collective times out under NCCL: NCCL's watchdog, not Python, sees it. Every rank's flight
+  recorder writes its last collectives to `<run.dir>/comm_traces/` (flight_recorder.py), then
+  the watchdog aborts the process (SIGABRT), where no Python handler runs: faulthandler
+  (`aborts_reported`) first appends the Python stacks of its threads to the rank's log file,
+  as it does for any fatal signal (a crash in C code, SIGSEGV).
 - A rank got a stop signal (torchrun ending the job after that failure, a preemption) and has
   not exited in time: it is hung, and its Python handler may never run (a wait in C code). A
   thread reads the signal from signal.set_wakeup_fd, which works whatever the main thread does,
@@ -252,6 +257,30 @@ def _forget_wakeup_fd() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_wakeup_fd)
+
+
+@contextmanager
+def aborts_reported(log_file: Path) -> Iterator[None]:
+    """Inside the block, a fatal signal (SIGABRT from NCCL's watchdog after a collective timed
+    out, SIGSEGV, SIGBUS, SIGFPE, SIGILL) first appends the Python stacks of every thread to
+    `log_file` (the rank's log: train.log, train.rank<N>.log), then ends the process as the
+    signal would. Outside it they go to stderr (`@record`, on train.main, turns faulthandler
+    on), where the launcher's output interleaves those of many ranks. A file that stayed empty
+    (another rank's, which did not warn) is removed at the end, so that a healthy run leaves
+    train.log only."""
+    to_stderr = faulthandler.is_enabled()
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with log_file.open("a") as handle:
+        faulthandler.enable(file=handle, all_threads=True)
+        try:
+            yield
+        finally:
+            faulthandler.disable()
+            if to_stderr:
+                faulthandler.enable(file=sys.stderr, all_threads=True)
+    with suppress(OSError):  # written meanwhile by the rank's logging, or gone
+        if log_file.stat().st_size == 0:
+            log_file.unlink()
 
 
 def is_collective_failure(error: BaseException) -> bool:
