@@ -14,14 +14,17 @@ CI, license, metadata) that the render tests and the launcher tests check. So:
   multi-process tests of mechanisms no task changes (TASK_INDEPENDENT), in a project of its own
   after the default one.
 - Every pair of values of the suite options (a pairwise cover, completing the projects above)
-  runs the single-process tests, the 2-process training test, and the multi-process tests of
-  the test modules that an option changes or removes (the tracker's, the GPT example's, ...)
-  where the pair holds a variant of them that no project above ran. Two
-  options meet in what one process computes (a config, a model, a precision, a tracker),
-  which those tests run, and in the 2-process training, which trains, checkpoints and resumes
-  with the pair's model, precision and tracker. The other multi-process tests check how ranks
-  agree (sharding, gradient averaging, stop and checkpoint agreement): code that no option
-  changes, run with every model above.
+  runs the 2-process training test, which trains, checkpoints and resumes with the pair's
+  model, precision and tracker, and each test module that an option changes or removes
+  (OPTION_TESTS: the config's, the tracker's, the GPT example's, ...) where the pair holds a
+  variant of it that no project above ran. A test module's variant is the values of the options
+  that its text reads and that the code it is named for reads (test_config.py: the config
+  package, which the precision and the tracker change), so each variant of each test module
+  runs once, its multi-process tests included. Two options meet in the config (test_config.py
+  runs for each pair of precision and tracker) and in training (the 2-rank test). The other
+  tests read no option, and neither does the code they are named for: they set the precision
+  they check themselves (test_amp.py, test_trainer.py), and the tracker is test_tracker.py's;
+  the projects above run them with every model.
 
 The fault tests exercise code that no option changes (test_restart.py and test_timeouts.py read
 no option; a test checks it), so the default options run them once; so do the tests that train
@@ -93,13 +96,40 @@ SUITE_FILES = [
     infile for infile in template_files() if infile.endswith(".py") or infile.startswith("configs/")
 ]
 SUITE_OPTIONS = frozenset().union(*map(dependencies, SUITE_FILES))
-#: Test modules whose text or presence depends on a suite option: the pairs run all their tests.
-OPTION_TESTS = [
+TEST_MODULES = [
     infile
     for infile in template_files()
-    if infile.startswith("tests/")
-    and Path(infile).name.startswith("test_")
-    and (dependencies(infile) & SUITE_OPTIONS or infile in sometimes_absent())
+    if infile.startswith("tests/") and Path(infile).name.startswith("test_")
+]
+
+
+def code_options() -> dict[str, frozenset[str]]:
+    """Each module and package of the project's code, by name (config, tracker, task, ...),
+    with the options its files read."""
+    read: dict[str, frozenset[str]] = {}
+    for infile in SUITE_FILES:
+        if infile.startswith("src/"):
+            for part in Path(infile).parts[2:]:
+                name = part.removesuffix(".py")
+                read[name] = read.get(name, frozenset()) | dependencies(infile)
+    return read
+
+
+CODE_OPTIONS = code_options()
+
+
+def module_options(infile: str) -> frozenset[str]:
+    """The options a test module's tests depend on: those its text reads, and those of the code
+    it is named for (test_config.py tests the config package, test_tracker.py tracker.py)."""
+    return dependencies(infile) | CODE_OPTIONS.get(
+        Path(infile).stem.removeprefix("test_"), frozenset()
+    )
+
+
+#: The test modules that an option changes or removes: the pairs run them where they hold a
+#: variant of them that no project before them ran.
+OPTION_TESTS = [
+    infile for infile in TEST_MODULES if module_options(infile) or infile in sometimes_absent()
 ]
 #: The test modules that are no tests (helpers, fixtures), and the task that every test trains
 #: (the helpers take its test_settings): what they read changes every test.
@@ -114,15 +144,13 @@ PAIRS = cover(2, SUITE_OPTIONS, start=EACH_VALUE)[len(EACH_VALUE) :]
 
 def first_variants(projects: list[dict]) -> list[list[str]]:
     """For each project in order, the option test modules it holds in a variant (the values of
-    the options their text reads) that no project before it held: the projects that run their
-    multi-process tests. A module's multi-process tests check what it names (the GPT example's
-    training on 2 ranks); how the options meet in 2-process training is the 2-rank test's."""
+    the options in `module_options`) that no project before it held."""
     held: set[tuple] = set()
     firsts = []
     for combo in projects:
         kept = kept_files(combo)
         variants = {
-            infile: (infile, *(combo[option] for option in sorted(dependencies(infile))))
+            infile: (infile, *(combo[option] for option in sorted(module_options(infile))))
             for infile in OPTION_TESTS
             if infile in kept
         }
@@ -131,7 +159,7 @@ def first_variants(projects: list[dict]) -> list[list[str]]:
     return firsts
 
 
-#: The option test modules whose multi-process tests each pair runs.
+#: The option test modules that each pair runs.
 PAIR_OPTION_TESTS = first_variants([*EACH_VALUE, *PAIRS])[len(EACH_VALUE) :]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -163,6 +191,11 @@ def run_project_suite(project: Path, env: dict[str, str], *options: str) -> dict
 def assert_two_ranks_ran(cases: dict[str, ET.Element]) -> None:
     two_rank = cases[TWO_RANK_TEST]
     assert two_rank.find("skipped") is None and two_rank.find("failure") is None
+
+
+def assert_whole_suite_ran(cases: dict[str, ET.Element]) -> None:
+    """The 2-process gloo test really ran, and the NCCL tests were collected (skipped on CPU)."""
+    assert_two_ranks_ran(cases)
     assert any("gpu" in name for name in cases), "the NCCL tests must be collected"
 
 
@@ -191,10 +224,8 @@ def marked(marker: str) -> list[str]:
     project = ROOT / "{{cookiecutter.__project_dir}}"
     return [
         infile
-        for infile in template_files()
-        if infile.startswith("tests/")
-        and Path(infile).name.startswith("test_")
-        and f"pytest.mark.{marker}" in (project / infile).read_text()
+        for infile in TEST_MODULES
+        if f"pytest.mark.{marker}" in (project / infile).read_text()
     ]
 
 
@@ -206,7 +237,15 @@ def test_the_tests_run_once_read_no_option(marker: str, example: str) -> None:
     """So that the default project alone runs them."""
     modules = marked(marker)
     assert example in modules
-    assert not frozenset().union(*map(dependencies, modules))
+    assert not frozenset().union(*map(module_options, modules))
+
+
+def test_a_test_module_is_changed_by_the_options_of_the_code_it_is_named_for() -> None:
+    """test_config.py reads no option, but the config package it tests reads the precision and
+    the tracker: the pairs run it for each of their values."""
+    assert not dependencies("tests/machinery/test_config.py")
+    assert module_options("tests/machinery/test_config.py") >= {"mixed_precision", "tracker"}
+    assert "tests/machinery/test_config.py" in OPTION_TESTS
 
 
 def test_the_task_independent_tests_exist() -> None:
@@ -224,7 +263,7 @@ def test_the_tests_of_tasks_of_their_own_read_no_option() -> None:
         "tests/task/test_loss_normalisation.py",
         "tests/tasks.py",
     ]
-    assert not frozenset().union(*map(dependencies, own_tasks))
+    assert not frozenset().union(*map(module_options, own_tasks))
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +280,7 @@ def installed_default_project(tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 def test_default_project_suite_passes_with_two_gloo_ranks(installed_default_project: Path) -> None:
     """The installed default project's suite passes, and its 2-process gloo test really ran."""
-    assert_two_ranks_ran(run_project_suite(installed_default_project, {}, "-m", "not faults"))
+    assert_whole_suite_ran(run_project_suite(installed_default_project, {}, "-m", "not faults"))
 
 
 def test_default_project_fault_tests_pass(tmp_path: Path) -> None:
@@ -255,17 +294,18 @@ def test_project_suite_passes_for_every_value_of_the_options_the_test_helpers_re
     combo: dict, tmp_path: Path
 ) -> None:
     project, env = render_from_source(combo, f"Value {EACH_VALUE.index(combo)}", tmp_path)
-    assert_two_ranks_ran(run_project_suite(project, env, *OTHER_TASK_SELECTION))
+    assert_whole_suite_ran(run_project_suite(project, env, *OTHER_TASK_SELECTION))
 
 
 @pytest.mark.parametrize("combo", PAIRS, ids=combo_id)
 def test_single_process_and_option_tests_and_two_rank_training_pass_for_every_pair_of_values(
     combo: dict, tmp_path: Path
 ) -> None:
-    project, env = render_from_source(combo, f"Pair {PAIRS.index(combo) + 1}", tmp_path)
+    index = PAIRS.index(combo)
+    project, env = render_from_source(combo, f"Pair {index + 1}", tmp_path)
     files = kept_files(combo)
-    chosen = [TWO_RANK_NODE, *(files[infile] for infile in PAIR_OPTION_TESTS[PAIRS.index(combo)])]
-    selection = ["-p", "project_selection", *(f"--multi-process-from={node}" for node in chosen)]
-    # The plugin lives beside this file.
-    env["PYTHONPATH"] += os.pathsep + str(Path(__file__).parent)
-    assert_two_ranks_ran(run_project_suite(project, env, *selection))
+    modules = [files[infile] for infile in PAIR_OPTION_TESTS[index]]
+    cases = run_project_suite(project, env, TWO_RANK_NODE, *modules)
+    assert_two_ranks_ran(cases)
+    ran = {case.get("classname") for case in cases.values()}
+    assert {module.removesuffix(".py").replace("/", ".") for module in modules} <= ran
