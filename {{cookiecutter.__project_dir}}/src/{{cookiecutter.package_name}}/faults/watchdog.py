@@ -276,8 +276,10 @@ def aborts_reported(log_file: Path) -> Iterator[None]:
             yield
         finally:
             faulthandler.disable()
-            if to_stderr:
-                faulthandler.enable(file=sys.stderr, all_threads=True)
+            # The process's own stderr: sys.stderr may be a stand-in without a file descriptor
+            # (a test's capture), which faulthandler cannot write to.
+            if to_stderr and sys.__stderr__ is not None:
+                faulthandler.enable(file=sys.__stderr__, all_threads=True)
     with suppress(OSError):  # written meanwhile by the rank's logging, or gone
         if log_file.stat().st_size == 0:
             log_file.unlink()
