@@ -21,7 +21,10 @@ OMP_NUM_THREADS=1) with the default task's MLP at micro-batch 32 in fp32:
    synchronous save and for checkpoint.async at a state of 1 GB, and the steps per second
    while a background save is in flight;
 8. the ranks' agreement before the first step (agreement.py) on 2 and 8 ranks, and the
-   preflight check (`python -m <package>.doctor`) on 2.
+   preflight check (`python -m <package>.doctor`) on 2;
+9. the straggler figures (stragglers.py): the Trainer's step with its wait in the gradient
+   all-reduce timed against the same step untimed, in blocks that take turns in one launch,
+   and their share of a log line.
 
 Then writes docs/benchmarks.md with the machine, the conditions and the figures. Its last
 section, the GPU check, holds what `make gpu-check` printed on a GPU machine: kept as it is.
@@ -185,6 +188,14 @@ def agreement(project: Path) -> dict:
     return figures
 
 
+def straggler_cost(project: Path) -> dict:
+    """The Trainer's step with and without the straggler timing (stragglers.py)."""
+    result = OUT / "stragglers.json"
+    options = [f"--project={project}", f"--json={result}", *CONDITIONS]
+    run([str(BENCH / "stragglers.py"), *options], project, OUT / "stragglers.log")
+    return json.loads(result.read_text())
+
+
 def script_figures(project: Path, script: str, *options: str) -> dict:
     """The JSON figures of one of the project's single-process benchmarks/ scripts."""
     result = OUT / f"{script}.json"
@@ -236,18 +247,24 @@ def ratio_row(label: str, ratios: dict, goal: str = "") -> str:
     """A ratio of each figure with its interval (side_by_side.py); `goal` like '<= 1.01' is
     judged on the CPU time of the process: met, or not met, when the whole interval says so,
     else unresolved (the interval straddles the goal)."""
-    shown = " | ".join(
-        f"{ratios[figure]['ratio']:.3f} [{ratios[figure]['low']:.3f}, {ratios[figure]['high']:.3f}]"
-        for figure in RATIO_FIGURES
-    )
-    verdict = ""
-    if goal:
-        sign, bound = goal.split()
-        low, high = (ratios[GOAL_FIGURE][end] for end in ("low", "high"))
-        met, failed = (high, low) if sign == "<=" else (-low, -high)
-        limit = float(bound) if sign == "<=" else -float(bound)
-        verdict = "met" if met <= limit else "**not met**" if failed > limit else "unresolved"
-    return f"| {label} | {shown} | {goal} | {verdict} |"
+    shown = " | ".join(interval(ratios[figure]) for figure in RATIO_FIGURES)
+    return f"| {label} | {shown} | {goal} | {verdict(ratios[GOAL_FIGURE], goal)} |"
+
+
+def interval(ratio: dict) -> str:
+    """A ratio and its interval, as the tables show them."""
+    return f"{ratio['ratio']:.3f} [{ratio['low']:.3f}, {ratio['high']:.3f}]"
+
+
+def verdict(ratio: dict, goal: str) -> str:
+    """Whether a ratio meets `goal` ('<= 1.01', '>= 1.3', or '' for none): met, or not met,
+    when its whole interval says so, else unresolved (the interval straddles the goal)."""
+    if not goal:
+        return ""
+    sign, bound = goal.split()
+    met, failed = (ratio["high"], ratio["low"]) if sign == "<=" else (-ratio["low"], -ratio["high"])
+    limit = float(bound) if sign == "<=" else -float(bound)
+    return "met" if met <= limit else "**not met**" if failed > limit else "unresolved"
 
 
 #: The figures of a loop table (overhead.py's FIGURES), and those whose ratios are shown.
@@ -418,6 +435,7 @@ def document(figures: dict, previous: str) -> str:
         "",
         *scale_sections(figures["shards"], figures["stall"]),
         *agreement_section(figures["agreement"]),
+        *straggler_section(figures.get("stragglers")),
         *gpu_check_section(previous),
     ]
     return "\n".join(lines)
@@ -537,6 +555,53 @@ def scale_sections(shards: dict, stall: dict) -> list[str]:
     ]
 
 
+#: The straggler section's figures (stragglers.py), and the one its goal is judged on.
+STRAGGLER_FIGURES = {
+    "cpu_step_s": "CPU thread",
+    "process_cpu_step_s": "CPU process",
+    "wall_step_s": "wall",
+}
+STRAGGLER_GOAL = "<= 1.01"
+
+
+def straggler_section(figures: dict | None) -> list[str]:
+    """The section of docs/benchmarks.md on what the straggler figures cost a step (none in
+    figures measured before they existed)."""
+    if figures is None:
+        return []
+    rows = [
+        f"| {label} | {ms(figures['untimed'][key])} | {ms(figures['timed'][key])} | "
+        f"{interval(figures['ratios'][key])} | {interval(figures['control'][key])} |"
+        for key, label in STRAGGLER_FIGURES.items()
+    ]
+    goal = figures["ratios"]["process_cpu_step_s"]
+    return [
+        "## Straggler figures: what they cost a step",
+        "",
+        "Each log line gives every rank's compute and its wait in the gradient all-reduce",
+        "(`stragglers.py`): in the backward that all-reduces, a hook on the loss queues an",
+        "autograd callback that reads the clock at the end of the rank's own backward, and the",
+        "clock is read again when the reduction is done. `bench/stragglers.py` trains the",
+        f"default project's Trainer on {figures['world_size']} ranks in blocks of "
+        f"{figures['steps']} steps with the wait timed,",
+        "untimed (a context that does nothing in its place) and untimed again, taking turns in",
+        f"one launch: per step, the median over {figures['rounds']} rounds of blocks of every "
+        "rank, and",
+        "the ratios to untimed (the geometric mean over the rounds, with a 95% bootstrap",
+        "interval); untimed again is the control, what chance alone gives on this machine.",
+        "",
+        "| per step | untimed, ms | timed, ms | timed / untimed | control: again / untimed |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        *rows,
+        "",
+        f"Goal {STRAGGLER_GOAL} on the CPU time of the process: {verdict(goal, STRAGGLER_GOAL)}. "
+        "Once per log line,",
+        f"this rank's row and the verdict on {figures['world_size']} ranks' figures take "
+        f"{figures['log_line_s'] * 1e6:.0f} us.",
+        "",
+    ]
+
+
 def agreement_section(figures: dict) -> list[str]:
     """The section of docs/benchmarks.md on the agreement before the first step."""
     rows = [
@@ -600,6 +665,8 @@ def main() -> int:
     figures["stall"] = script_figures(project, "checkpoint_stall")
     print("the ranks' agreement and the doctor ...", flush=True)
     figures["agreement"] = agreement(project)
+    print("the straggler figures' cost ...", flush=True)
+    figures["stragglers"] = straggler_cost(project)
     if args.before:
         print(f"the Trainer of {args.before} ...", flush=True)
         figures["before"] = before(args.before, project, args)

@@ -59,10 +59,10 @@ from variants import (
 #: signal, or early on a scripted evaluation), how a bad setting ends every rank, how the
 #: shipped config's batch splits over 8 ranks, which rank writes which file, how the ranks
 #: agree on a damaged checkpoint, a diverged replica or an inf gradient they were handed, how a
-#: starved rank is named, how a background save waits for the one in flight, and the
-#: all-reduce and checkpoint-stall benchmarks, which train nothing of the task's. The default
-#: project runs them; projects of other tasks (the other example, tests/test_user_tasks.py)
-#: deselect them.
+#: starved rank and a slow one are named, how a background save waits for the one in flight,
+#: and the all-reduce and checkpoint-stall benchmarks, which train nothing of the task's. The
+#: default project runs them; projects of other tasks (the other example,
+#: tests/test_user_tasks.py) deselect them.
 TASK_INDEPENDENT = [
     "tests/task/test_stop_signal.py",
     "tests/task/test_best.py",
@@ -76,6 +76,7 @@ TASK_INDEPENDENT = [
     "tests/task/test_checkpoint.py::test_ranks_agree_on_the_fallback_when_only_one_rank_cannot_load_its_file",
     "tests/task/test_amp.py::test_inf_gradient_on_one_rank_skips_the_step_on_every_rank",
     "tests/machinery/test_throughput.py::test_a_rank_starved_for_data_is_named_in_the_log",
+    "tests/task/test_slow_rank.py",
     "tests/machinery/test_benchmarks.py::test_allreduce_reports_bus_bandwidth_as_nccl_tests_define_it",
     "tests/machinery/test_benchmarks.py::test_checkpoint_stall_reports_the_pause_of_both_kinds_of_save_and_their_ratio",
     "tests/task/test_async_checkpoint.py::test_the_next_background_save_waits_for_the_one_in_flight_and_collectives_do_not_mix",

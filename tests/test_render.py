@@ -84,11 +84,11 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
     }
     tests["task"] += ["checkpoint_faults", "ddp_options", "distributed", "divergence", "ema"]
     tests["task"] += ["gpu", "gradients", "loss_normalisation", "object_store", "parent_death"]
-    tests["task"] += ["ranks", "restart", "resume", "resume_checks", "sharding", "stop_signal"]
-    tests["task"] += ["timeouts", "trainer", "weights"]
+    tests["task"] += ["ranks", "restart", "resume", "resume_checks", "sharding", "slow_rank"]
+    tests["task"] += ["stop_signal", "timeouts", "trainer", "weights"]
     tests["machinery"] += ["data", "distributed_env", "doctor", "flight_recorder", "gpu_check"]
     tests["machinery"] += ["launch", "network", "plot", "moved_modules", "run_lock", "storage"]
-    tests["machinery"] += ["throughput"]
+    tests["machinery"] += ["stragglers", "throughput"]
     for folder, names in tests.items():
         files.add(f"tests/{folder}/__init__.py")
         files |= {f"tests/{folder}/test_{name}.py" for name in names}
@@ -105,7 +105,8 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
     modules += [f"faults/{name}" for name in ("flight_recorder", "parent_watch", "signals")]
     modules += [f"faults/{name}" for name in ("stopping", "watchdog")]
     modules += ["loading/data"]
-    modules += [f"monitoring/{name}" for name in ("logs", "metrics", "profiling", "throughput")]
+    modules += [f"monitoring/{name}" for name in ("logs", "metrics", "profiling", "stragglers")]
+    modules += ["monitoring/throughput"]
     modules += [f"training/{name}" for name in ("divergence", "losses", "optimizer", "rng")]
     modules += ["training/trainer", "training/updates"]
     files |= {f"src/{package}/{name}.py" for name in modules}

@@ -145,6 +145,10 @@ class TrainConfig:
     newer): much faster, with a 10-bit mantissa in the products. `progress_bar` shows one on
     rank 0 when stderr is a terminal. `peak_tflops` is one device's peak for MFU; 0 looks the GPU
     up in throughput.PEAK_TFLOPS (MFU is left out where it is unknown, e.g. on CPU).
+    `straggler_threshold`: each log line measures every rank's own time per step (its compute
+    and data wait, without its wait for the others in the gradient all-reduce) and warns, naming
+    the rank and its host, when the slowest exceeds the other ranks' median by more than this
+    share of it (stragglers.py).
 
     `on_nonfinite`: a NaN or infinite loss or gradient norm is read at the next log line and
     always before a checkpoint (no wait for the device in the step). `stop` ends the run with
@@ -175,6 +179,9 @@ class TrainConfig:
     eval_every: int = 50
     #: A log line and a metrics record every that many optimizer steps.
     log_every: int = 10
+    #: Warn when a rank's own time per step exceeds the other ranks' median by more than this
+    #: share of it (0.25: 25%); 0: never.
+    straggler_threshold: float = 0.25
     #: A progress bar on rank 0 when stderr is a terminal.
     progress_bar: bool = True
     #: One device's peak TFLOP/s for MFU; 0 looks the GPU up.
@@ -193,7 +200,11 @@ class TrainConfig:
             log_every=self.log_every,
             eval_every=self.eval_every,
         )
-        _not_negative("train", max_skipped_steps=self.max_skipped_steps)
+        _not_negative(
+            "train",
+            max_skipped_steps=self.max_skipped_steps,
+            straggler_threshold=self.straggler_threshold,
+        )
         if self.epochs <= 0 and self.max_steps <= 0:
             raise ConfigError("set train.epochs or train.max_steps to a positive number")
         if self.peak_tflops < 0:
@@ -399,10 +410,14 @@ class DistConfig:
 
 @dataclass
 class ProfileConfig:
-    """A torch.profiler trace of a few steps on rank 0, written to `<run.dir>/profile/`.
+    """A torch.profiler trace of a few steps on rank 0, written to `<run.dir>/profile/`, and
+    NVTX ranges for Nsight Systems.
 
     Skips `wait_steps` steps after the start (or the resume), then records `active_steps`. Open
     the trace in https://ui.perfetto.dev or chrome://tracing; summary.txt lists the top ops.
+    `nvtx` marks the phases of every step (data wait, forward, backward, optimizer) with NVTX
+    ranges on every rank of a GPU run, for `nsys profile` (profiling.py); leave `enabled` off
+    then, since both profilers would want the GPU's counters.
     """
 
     #: Record a torch.profiler trace of a few steps on rank 0.
@@ -411,6 +426,8 @@ class ProfileConfig:
     wait_steps: int = 5
     #: Steps to record.
     active_steps: int = 3
+    #: NVTX ranges around each step's phases on GPUs, for Nsight Systems (nsys profile).
+    nvtx: bool = False
 
     def validate(self) -> None:
         _positive("profile", active_steps=self.active_steps)

@@ -1,20 +1,40 @@
-"""An optional torch.profiler trace of a short window of training steps on rank 0.
+"""Where a step's time goes: an optional torch.profiler trace of a short window of training
+steps on rank 0, and NVTX ranges around the phases of every step for Nsight Systems.
 
-Off by default (profile.enabled). Profiling one rank is enough to see where a step's time goes;
-the other ranks run unprofiled, so they cannot be slowed down by it.
+Both are off by default (profile.enabled, profile.nvtx). Profiling one rank with torch.profiler
+is enough to see where a step's time goes; the other ranks run unprofiled, so they cannot be
+slowed down by it. NVTX ranges cost next to nothing while no profiler listens, so they are on
+every rank: `nsys profile` records the ranks it is started for.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
+from torch.cuda import nvtx
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from ..config import ProfileConfig
 
 log = logging.getLogger(__name__)
+
+_NO_RANGE = nullcontext()
+
+
+class StepRanges:
+    """NVTX ranges around the phases of a step (`ranges("forward")`: data wait, forward,
+    backward, optimizer), which Nsight Systems shows on each rank's timeline beside the CUDA
+    kernels and NCCL calls. On with profile.nvtx on a GPU; otherwise every phase gets one
+    shared context that does nothing."""
+
+    def __init__(self, config: ProfileConfig, device: torch.device) -> None:
+        self.enabled = config.nvtx and device.type == "cuda"
+
+    def __call__(self, phase: str) -> AbstractContextManager:
+        return nvtx.range(phase) if self.enabled else _NO_RANGE
 
 
 class StepProfiler:

@@ -49,7 +49,8 @@ from ..faults.stopping import StopRequests
 from ..loading.data import build_eval_loader, build_train_loader, loader_workers, usable_cores
 from ..monitoring.logs import ProgressBar
 from ..monitoring.metrics import MetricsLogger, read_metrics
-from ..monitoring.profiling import StepProfiler
+from ..monitoring.profiling import StepProfiler, StepRanges
+from ..monitoring.stragglers import Stragglers, describe_ranks
 from ..monitoring.throughput import StepMeter, describe, peak_flops, window_figures
 from . import rng
 from .divergence import DivergenceGuard, SkipPolicy
@@ -281,7 +282,8 @@ class Trainer:
 
     def _build_accounting(self) -> None:
         """What the steps keep account of: the log line's sums, the loss's scaling, the
-        non-finite guard, the best checkpoint, and the throughput figures."""
+        non-finite guard, the best checkpoint, the throughput and straggler figures, and the
+        NVTX ranges of profile.nvtx."""
         train, device = self.config.train, self.device
         # What the log line reports (losses, counts, throughput units), summed since the last
         # one where it was computed: nothing in a step waits for the device. Kept in the
@@ -298,6 +300,8 @@ class Trainer:
         self.best = BestCheckpoint(self.config.best)
         self.saved_step: int | None = None
         self.meter = StepMeter(device)
+        self.stragglers = Stragglers(device, self.env.world_size, train.straggler_threshold)
+        self.ranges = StepRanges(self.config.profile, device)
         self.unit = self.task.throughput_unit
         self.units_per_micro_batch = self.micro_batch_size * self.task.units_per_sample
         flops = self.task.flops_per_sample(self.model)
@@ -431,7 +435,8 @@ class Trainer:
 
         Returns the gradient norm before clipping when it is computed (else None), and whether
         the step was skipped. Nothing in a step waits for the device (fp16's inf/nan check and
-        train.on_nonfinite=skip aside).
+        train.on_nonfinite=skip aside). The backward that all-reduces times this rank's wait
+        for the others (stragglers.py); the phases are NVTX ranges with profile.nvtx.
         """
         losses = update.loss
         losses.start()
@@ -439,21 +444,24 @@ class Trainer:
             for micro_step, batch in enumerate(micro_batches):
                 last = micro_step == self.accumulation_steps - 1
                 with sync_context(update, self.updates, last):
-                    with self.autocast():
+                    with self.autocast(), self.ranges("forward"):
                         loss = losses.add(self._training_loss(update, batch), last)
-                    update.scaler.scale(loss).backward()
-        update.scaler.unscale_(update.optimizer)  # the true gradients (fp16 scales the loss)
-        losses.rescale_gradients(update.module)
-        self._check_gradients_once(update)
-        grad_norm = self._clip_gradients(update.module)
-        skip = self.skips.skips(self.step + 1, grad_norm, update.name)
-        if not skip:
-            update.scaler.step(update.optimizer)  # with fp16, skipped on every rank on inf/nan
-            update.scaler.update()
-            losses.add_to(self.window, update.prefix)
-        update.optimizer.zero_grad(set_to_none=True)
-        if len(self.updates) > 1:
-            self.model.zero_grad(set_to_none=True)  # what this loss left in the other parts
+                    reduces = last and update.ddp is not None
+                    with self.ranges("backward"), self.stragglers.timed_backward(loss, reduces):
+                        update.scaler.scale(loss).backward()
+        with self.ranges("optimizer"):
+            update.scaler.unscale_(update.optimizer)  # the true gradients (fp16 scales the loss)
+            losses.rescale_gradients(update.module)
+            self._check_gradients_once(update)
+            grad_norm = self._clip_gradients(update.module)
+            skip = self.skips.skips(self.step + 1, grad_norm, update.name)
+            if not skip:
+                update.scaler.step(update.optimizer)  # with fp16, skipped on every rank on inf/nan
+                update.scaler.update()
+                losses.add_to(self.window, update.prefix)
+            update.optimizer.zero_grad(set_to_none=True)
+            if len(self.updates) > 1:
+                self.model.zero_grad(set_to_none=True)  # what this loss left in the other parts
         return grad_norm, skip
 
     def _training_loss(self, update: Update, batch: Any) -> Any:
@@ -471,7 +479,8 @@ class Trainer:
         """The next micro-batch on the device, its throughput units counted (task.units, or
         its samples); the wait for it is the log line's data wait."""
         waiting = time.perf_counter()
-        batch = move_to_device(next(batches), self.device)
+        with self.ranges("data wait"):
+            batch = move_to_device(next(batches), self.device)
         self.meter.data_wait_s += time.perf_counter() - waiting
         units = self.task.units(batch)
         self.window.add("units", self.units_per_micro_batch if units is None else units)
@@ -669,16 +678,19 @@ class Trainer:
         return step % every == 0 or step == self.total_steps
 
     def _log_train(self, epoch: int, grad_norms: dict[str, torch.Tensor]) -> None:
-        window = self.meter.window()
+        window = self.meter.window()  # synchronises the device: the stragglers' row is read
         self.meter.pause()
         # One collective per log line, gathered from every rank at the same step: the sums of
-        # losses, counts and units, and each rank's timings (the spread shows stragglers).
+        # losses, counts and units, each rank's timings, and its wait for the others in the
+        # all-reduce and its GPU's readings (stragglers.py).
         names = self.window.names()
         sums = self.window.totals(names)
-        local = sums.new_tensor([window.train_s, window.data_wait_s, float(window.peak_memory)])
+        timing = [window.train_s, window.data_wait_s, float(window.peak_memory)]
+        local = sums.new_tensor([*timing, *self.stragglers.row()])
         # The divergence guard's record rides along: no collective of its own.
         rows = gather_rows(torch.cat([sums, local, self.guard.record()])).cpu()
-        timings = rows[:, len(names) : len(names) + len(local)]
+        timings = rows[:, len(names) : len(names) + len(timing)]
+        straggling = rows[:, len(names) + len(timing) : len(names) + len(local)]
         guard_rows = rows[:, len(names) + len(local) :]
         totals = dict(zip(names, rows[:, : len(names)].sum(dim=0).tolist(), strict=True))
         self.total_units += totals["units"]
@@ -690,6 +702,8 @@ class Trainer:
             self.flops_per_step,
             self.peak_flops,
         )
+        spread, warning = self.stragglers.report(timings, straggling, window.steps)
+        figures.update(spread)
         losses = window_means(totals, [update.prefix for update in self.updates])
         rates = {f"train/{u.prefix}lr": u.scheduler.get_last_lr()[0] for u in self.updates}
         norms = {f"train/{name}": norm.item() for name, norm in grad_norms.items()}
@@ -700,7 +714,10 @@ class Trainer:
         line += "".join(
             f" | {name[6:].replace('_', ' ')} {value:.3f}" for name, value in norms.items()
         )
-        log.info("%s | %s", line, describe(figures, self.unit))
+        parts = [line, describe(figures, self.unit), *describe_ranks(figures)]
+        log.info("%s", " | ".join(parts))
+        if warning and self.env.is_main:
+            log.warning("%s", warning)
         self.metrics.log(self.step, {**values, **figures, "epoch": epoch})
         self.window.reset()
         self._raise_if_diverged(guard_rows)

@@ -1,0 +1,173 @@
+"""Straggler attribution: the verdict on every rank's figures, the wait a rank measures in the
+gradient all-reduce, the GPU readings, and the NVTX ranges of a step (the slow rank named in
+a real run: tests/task/test_slow_rank.py)."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.cuda import nvtx
+from torch.nn.parallel import DistributedDataParallel
+
+from {{ cookiecutter.package_name }}.config import Config, ProfileConfig
+from {{ cookiecutter.package_name }}.monitoring import stragglers
+from {{ cookiecutter.package_name }}.monitoring.profiling import StepRanges
+from {{ cookiecutter.package_name }}.monitoring.stragglers import Stragglers, slowest_rank
+
+from ..helpers import make_trainer, spawn, train_steps
+
+pytestmark = pytest.mark.standalone
+
+CPU = torch.device("cpu")
+
+
+def test_the_slowest_rank_is_measured_against_the_median_of_the_others() -> None:
+    straggler = slowest_rank([0.10, 0.30, 0.11, 0.12])
+    assert straggler.rank == 1
+    assert straggler.others_s == pytest.approx(0.11)
+    assert straggler.excess_s == pytest.approx(0.19)
+    assert straggler.excess == pytest.approx(0.19 / 0.11)
+
+
+def test_two_ranks_alike_make_the_first_the_slowest_with_no_excess() -> None:
+    straggler = slowest_rank([0.2, 0.2])
+    assert (straggler.rank, straggler.excess) == (0, 0.0)
+
+
+def _report(
+    threshold: float, own_s: list[float], readings: list[list[float]] | None = None
+) -> tuple[dict[str, float], str | None]:
+    """The verdict on 10 steps of ranks that spent `own_s` per step of their own, 2 ms of it
+    waiting for data, and waited for the slowest in the all-reduce for the rest of its time."""
+    steps, slowest = 10, max(own_s)
+    timings = torch.tensor([[slowest * steps, 0.002 * steps] for _ in own_s], dtype=torch.float64)
+    waits = [[(slowest - own) * steps] for own in own_s]
+    no_gpu = [[math.nan] * len(stragglers.READINGS) for _ in own_s]
+    rows = torch.tensor(
+        [wait + gpu for wait, gpu in zip(waits, readings or no_gpu, strict=True)],
+        dtype=torch.float64,
+    )
+    return Stragglers(CPU, len(own_s), threshold).report(timings, rows, steps)
+
+
+def test_a_rank_past_the_threshold_is_named_with_its_excess() -> None:
+    figures, warning = _report(0.25, [0.100, 0.104, 0.140, 0.098])
+    assert figures["train/slowest_rank"] == 2
+    assert figures["train/slowest_excess"] == pytest.approx(0.140 / 0.100 - 1)
+    assert figures["train/compute_max_s"] == pytest.approx(0.138)
+    assert figures["train/collective_wait_max_s"] == pytest.approx(0.042)
+    assert warning is not None
+    assert warning.startswith(
+        "rank 2 on an unknown host is the slowest: 140.0 ms/step of its own (compute 138.0, "
+        "data wait 2.0), 40.0 ms (40%) more than the median of the other ranks (100.0 ms)"
+    )
+
+
+def test_ranks_within_the_threshold_are_named_in_the_figures_only() -> None:
+    figures, warning = _report(0.25, [0.100, 0.104, 0.120, 0.098])
+    assert figures["train/slowest_rank"] == 2
+    assert warning is None
+
+
+def test_a_threshold_of_zero_never_warns() -> None:
+    assert _report(0.0, [0.1, 1.0])[1] is None
+
+
+def test_one_rank_has_no_straggler_figures() -> None:
+    figures, warning = _report(0.25, [0.1])
+    assert figures == {}
+    assert warning is None
+
+
+def test_gpu_readings_are_reported_where_every_rank_has_them() -> None:
+    """Clock, temperature, power and utilisation; the temperature is missing on rank 1."""
+    readings = [[1980.0, 60.0, 600.0, 99.0], [1410.0, math.nan, 300.0, 99.0]]
+    figures, warning = _report(0.25, [0.1, 0.2], readings)
+    assert figures["train/gpu_clock_mhz"] == pytest.approx(1695.0)
+    assert figures["train/gpu_clock_mhz_slowest"] == 1410.0
+    assert figures["train/gpu_power_w_slowest"] == 300.0
+    assert not any("temperature" in name for name in figures)
+    assert warning is not None
+    assert "its GPU: 1410 MHz, 300 W, 99% busy (the others' median: 1980 MHz, 600 W" in warning
+
+
+def test_a_gpu_reading_that_fails_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_library(device: torch.device) -> float:
+        raise ModuleNotFoundError("nvidia-ml-py does not seem to be installed")
+
+    readers = [("clock_mhz", no_library, 1.0, "{:.0f} MHz"), ("power_w", lambda d: 250e3, 1e-3, "")]
+    monkeypatch.setattr(stragglers, "READINGS", readers)
+    readings = stragglers.device_readings(torch.device("cuda", 0))
+    assert math.isnan(readings[0])
+    assert readings[1] == 250.0
+    assert all(math.isnan(value) for value in stragglers.device_readings(CPU))
+
+
+SLEEP_S = 0.3
+
+
+def _waits(rank: int, world_size: int) -> float:
+    """Three steps of a DDP model whose rank 1 sleeps before its backward; the wait each rank
+    measured."""
+    torch.manual_seed(0)
+    model = DistributedDataParallel(
+        torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(4)))
+    )
+    watch = Stragglers(CPU, world_size, threshold=0.25)
+    for _ in range(3):
+        loss = model(torch.randn(8, 64)).square().mean()
+        if rank == 1:
+            time.sleep(SLEEP_S)
+        with watch.timed_backward(loss, reduces=True):
+            loss.backward()
+    return watch.row()[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_the_other_ranks_wait_for_a_slow_one_in_the_all_reduce(tmp_path: Path) -> None:
+    fast, slow = spawn(2, _waits, workdir=tmp_path)
+    assert fast > 3 * SLEEP_S / 2  # most of rank 1's sleep, every step
+    assert slow < fast
+
+
+def test_a_backward_that_does_not_reduce_is_not_timed() -> None:
+    watch = Stragglers(CPU, 1, threshold=0.25)
+    loss = torch.nn.Linear(4, 1)(torch.ones(4)).sum()
+    with watch.timed_backward(loss, reduces=False):
+        loss.backward()
+    assert watch.row()[0] == 0.0
+
+
+@pytest.fixture
+def pushed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """NVTX's push and pop, recorded in order instead of sent to a profiler."""
+    calls: list[str] = []
+    monkeypatch.setattr(nvtx, "range_push", lambda name: calls.append(f"+{name}"))
+    monkeypatch.setattr(nvtx, "range_pop", lambda: calls.append("-"))
+    return calls
+
+
+def test_profile_nvtx_marks_each_phase_of_a_step_in_order(
+    fast_config: Config, pushed: list[str]
+) -> None:
+    """One update over 4 micro-batches (FAST's config on one rank), as a GPU run does."""
+    trainer = make_trainer(fast_config)
+    trainer.ranges = StepRanges(ProfileConfig(nvtx=True), torch.device("cuda", 0))
+    train_steps(trainer, 1)
+    micro_batch = ["+data wait", "-", "+forward", "-", "+backward", "-"]
+    assert pushed == micro_batch * trainer.accumulation_steps + ["+optimizer", "-"]
+
+
+def test_without_profile_nvtx_a_step_pushes_no_range(
+    fast_config: Config, pushed: list[str]
+) -> None:
+    assert not StepRanges(ProfileConfig(nvtx=True), CPU).enabled  # no NVTX without a GPU
+    trainer = make_trainer(fast_config)
+    assert not trainer.ranges.enabled
+    train_steps(trainer, 1)
+    assert pushed == []

@@ -1,0 +1,115 @@
+"""A rank slow at its own work is named in the log, with its host; ranks alike are not.
+
+Rank 1 sleeps in its `training_loss` of every micro-batch, far longer than a step of the task
+takes (20 times its fastest forward, at least 0.2 s), and the threshold is loose: a loaded machine
+slows a step by less than the margin between them, whatever the task.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from {{ cookiecutter.package_name }}.cluster.agreement import agree_on_launch, identity
+from {{ cookiecutter.package_name }}.config import load_config
+from {{ cookiecutter.package_name }}.monitoring.metrics import read_metrics
+from {{ cookiecutter.package_name }}.task import Task
+from {{ cookiecutter.package_name }}.training import trainer as trainer_module
+
+from ..helpers import FAST, env_for, make_trainer, spawn
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
+
+#: Rank 1's sleep after each forward: at least this many seconds, and this many forwards.
+SLEEP_S, SLEEP_FORWARDS = 0.2, 20
+#: Warn past this excess over the other rank: loose, as the margins above allow.
+THRESHOLD = 2.0
+
+
+class SlowOnRankOne(Task):
+    """The project's task; when `slow`, rank 1 sleeps after each forward, far longer than its
+    fastest forward so far (a busy machine stretches some)."""
+
+    rank = 0
+    slow = False
+    fastest_s = float("inf")
+
+    def training_loss(self, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        loss = super().training_loss(*args, **kwargs)
+        self.fastest_s = min(self.fastest_s, time.perf_counter() - started)
+        if self.slow and self.rank == 1:
+            time.sleep(max(SLEEP_S, SLEEP_FORWARDS * self.fastest_s))
+        return loss
+
+
+class Lines(logging.Handler):
+    """The log lines of a logger, as `LEVEL message`."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname} {record.getMessage()}")
+
+
+def _train(
+    rank: int, world_size: int, run_dir: Path, slow: bool, steps: int, log_every: int
+) -> tuple[list[str], list[dict]]:
+    """Train on ranks that met as train.py has them meet (the roster names their hosts); the
+    log lines and warnings of the trainer, and the metrics."""
+    store = dist.FileStore(str(run_dir.parent / "launch-store"), world_size)
+    agree_on_launch(store, rank, world_size, identity(None, torch.device("cpu")), timeout_s=60)
+    overrides = [
+        f"run.dir={run_dir}",
+        f"train.max_steps={steps}",
+        f"train.log_every={log_every}",
+        f"train.straggler_threshold={THRESHOLD}",
+    ]
+    config = load_config(None, [*FAST, *overrides])
+    task = SlowOnRankOne(config.task, seed=config.run.seed)
+    task.rank, task.slow = rank, slow
+    lines = Lines()
+    logger = logging.getLogger(trainer_module.__name__)
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    make_trainer(config, env_for(rank, world_size), task).fit()
+    return lines.lines, read_metrics(run_dir)
+
+
+def _warnings(lines: list[str]) -> list[str]:
+    return [line for line in lines if line.startswith("WARNING") and "is the slowest" in line]
+
+
+def test_a_rank_slow_at_its_own_work_is_named_with_its_host_within_two_log_windows(
+    tmp_path: Path,
+) -> None:
+    lines, records = spawn(2, _train, tmp_path / "run", True, 4, 2, workdir=tmp_path)[0]
+    warnings = _warnings(lines)
+    assert warnings, "\n".join(lines)
+    assert all(
+        line.startswith(f"WARNING rank 1 on {socket.gethostname()} is the slowest")
+        for line in warnings
+    )
+    train = [record for record in records if "train/loss" in record]
+    assert [record["train/slowest_rank"] for record in train] == [1, 1]
+    assert any(record["train/slowest_excess"] > THRESHOLD for record in train)
+    # The slow rank computes for most of a step; the other waits for it about as long.
+    assert all(record["train/compute_max_s"] > SLEEP_S for record in train)
+    assert all(record["train/collective_wait_max_s"] > SLEEP_S / 2 for record in train)
+
+
+def test_ranks_alike_name_nobody(tmp_path: Path) -> None:
+    lines, records = spawn(2, _train, tmp_path / "run", False, 8, 4, workdir=tmp_path)[0]
+    assert _warnings(lines) == []
+    train = [record for record in records if "train/loss" in record]
+    assert len(train) == 2
+    assert all(record["train/slowest_excess"] < THRESHOLD for record in train)
