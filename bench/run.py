@@ -454,6 +454,7 @@ GPU_FIGURES_PLACEHOLDER = [
     "| bitwise resume on CUDA | | |",
     "| bf16 steps | | |",
     "| fp16 steps (loss scaling) | | |",
+    "| a slow rank named from CUDA events, with the GPU's readings | | |",
     "| NCCL hang: every rank's flight recorder and stacks | | needs 2 GPUs |",
     "| `gpt` at GPT-2 124M's shape, bf16, eager | | tokens/s, MFU |",
     "| `gpt` at GPT-2 124M's shape, bf16, torch.compile | | tokens/s, MFU |",

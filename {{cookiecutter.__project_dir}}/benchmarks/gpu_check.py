@@ -72,6 +72,9 @@ NAMED_TESTS = {
     "test_a_run_resumed_on_cuda_ends_bitwise_like_an_unbroken_one": "bitwise resume on CUDA",
     "test_one_gpu_trains_in_each_precision[bf16]": "bf16 steps",
     "test_one_gpu_trains_in_each_precision[fp16]": "fp16 steps (loss scaling)",
+    "test_a_slow_rank_on_a_gpu_is_named_from_cuda_events_with_the_gpu_readings": (
+        "a slow rank named from CUDA events, with the GPU's readings"
+    ),
     "test_a_rank_hung_under_nccl_leaves_every_rank_s_flight_recorder_and_the_stacks": (
         "NCCL hang: every rank's flight recorder and stacks"
     ),

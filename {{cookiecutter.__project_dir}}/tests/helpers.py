@@ -255,14 +255,17 @@ def make_trainer(
     env: DistEnv | None = None,
     task: Task | None = None,
     stop: StopRequests | None = None,
+    device: torch.device | None = None,
 ) -> Trainer:
-    """A CPU trainer for `config` (single process unless `env` says otherwise)."""
+    """A trainer for `config` on the CPU unless `device` says otherwise (single process unless
+    `env` says otherwise)."""
     env = env or DistEnv()
     run_dir = Path(config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     task = task or Task(config.task, seed=config.run.seed)
     metrics = MetricsLogger(run_dir, is_main=env.is_main)
-    return Trainer(config, task, env, torch.device("cpu"), run_dir, metrics, stop)
+    device = device or torch.device("cpu")
+    return Trainer(config, task, env, device, run_dir, metrics, stop)
 
 
 def train_steps(trainer: Trainer, steps: int) -> dict[str, torch.Tensor]:

@@ -65,6 +65,11 @@ def test_the_gpu_tests_are_counted_and_the_named_ones_shown_from_pytests_report(
         Row("bf16 steps", "passed", ""),
         Row("fp16 steps (loss scaling)", "failed", "AssertionError: assert False"),
         Row(
+            "a slow rank named from CUDA events, with the GPU's readings",
+            "failed",
+            "not in the report",
+        ),
+        Row(
             "NCCL hang: every rank's flight recorder and stacks",
             "skipped",
             "needs 2 GPUs, found 1",

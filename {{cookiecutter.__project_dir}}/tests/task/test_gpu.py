@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import subprocess
 import sys
@@ -22,7 +23,8 @@ from {{ cookiecutter.package_name }}.monitoring.metrics import MetricsLogger, re
 from {{ cookiecutter.package_name }}.task import Task
 from {{ cookiecutter.package_name }}.training.trainer import Trainer
 
-from ..helpers import FAST, run_torchrun, write_fault_entry
+from ..helpers import FAST, run_torchrun, spawn, write_fault_entry
+from .test_slow_rank import SLEEP_S, slowest_warnings, train_ranks
 from .test_timeouts import HANG
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
@@ -89,6 +91,29 @@ def test_one_gpu_trains_in_each_precision(tmp_path: Path, precision: str) -> Non
     assert losses and all(math.isfinite(loss) for loss in losses)
     state = load_checkpoint(latest_checkpoint(run_dir), rank=0, world_size=1).state
     assert bool(state["scaler"]) == (precision == "fp16")
+
+
+@needs_cuda
+def test_a_slow_rank_on_a_gpu_is_named_from_cuda_events_with_the_gpu_readings(
+    tmp_path: Path,
+) -> None:
+    """Two ranks share GPU 0 over gloo (NCCL takes one rank per GPU), rank 1 sleeping after each
+    forward: its compute and the other rank's wait come from CUDA events, the GPU's readings
+    from NVML where nvidia-ml-py is installed, and profile.nvtx's ranges cost the run nothing."""
+    more = ("dist.backend=gloo", "profile.nvtx=true")
+    lines, records = spawn(
+        2, train_ranks, tmp_path / "run", True, 4, 2, "cuda", more, workdir=tmp_path
+    )[0]
+    warnings = slowest_warnings(lines)
+    assert warnings and all(line.startswith("WARNING rank 1 on ") for line in warnings), lines
+    train = [record for record in records if "train/loss" in record]
+    assert [record["train/slowest_rank"] for record in train] == [1, 1]
+    assert all(record["train/compute_max_s"] > SLEEP_S for record in train)
+    assert all(record["train/collective_wait_max_s"] > SLEEP_S / 2 for record in train)
+    if importlib.util.find_spec("pynvml") is not None:
+        readings = ["clock_mhz", "temperature_c", "power_w", "utilization"]
+        assert all(f"train/gpu_{name}" in train[-1] for name in readings), train[-1]
+        assert "its GPU: " in warnings[-1]
 
 
 #: Deterministic CUDA kernels where torch has them (both runs alike), and one failure in step 6

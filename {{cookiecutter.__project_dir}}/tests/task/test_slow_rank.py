@@ -61,18 +61,27 @@ class Lines(logging.Handler):
         self.lines.append(f"{record.levelname} {record.getMessage()}")
 
 
-def _train(
-    rank: int, world_size: int, run_dir: Path, slow: bool, steps: int, log_every: int
+def train_ranks(
+    rank: int,
+    world_size: int,
+    run_dir: Path,
+    slow: bool,
+    steps: int,
+    log_every: int,
+    device: str = "cpu",
+    more: tuple[str, ...] = (),
 ) -> tuple[list[str], list[dict]]:
-    """Train on ranks that met as train.py has them meet (the roster names their hosts); the
-    log lines and warnings of the trainer, and the metrics."""
+    """Train on ranks that met as train.py has them meet (the roster names their hosts), on
+    `device` (every rank on the same one), with `more` overrides; the log lines and warnings of
+    the trainer, and the metrics."""
     store = dist.FileStore(str(run_dir.parent / "launch-store"), world_size)
-    agree_on_launch(store, rank, world_size, identity(None, torch.device("cpu")), timeout_s=60)
+    agree_on_launch(store, rank, world_size, identity(None, torch.device(device)), timeout_s=60)
     overrides = [
         f"run.dir={run_dir}",
         f"train.max_steps={steps}",
         f"train.log_every={log_every}",
         f"train.straggler_threshold={THRESHOLD}",
+        *more,
     ]
     config = load_config(None, [*FAST, *overrides])
     task = SlowOnRankOne(config.task, seed=config.run.seed)
@@ -81,19 +90,19 @@ def _train(
     logger = logging.getLogger(trainer_module.__name__)
     logger.addHandler(lines)
     logger.setLevel(logging.INFO)
-    make_trainer(config, env_for(rank, world_size), task).fit()
+    make_trainer(config, env_for(rank, world_size), task, device=torch.device(device)).fit()
     return lines.lines, read_metrics(run_dir)
 
 
-def _warnings(lines: list[str]) -> list[str]:
+def slowest_warnings(lines: list[str]) -> list[str]:
     return [line for line in lines if line.startswith("WARNING") and "is the slowest" in line]
 
 
 def test_a_rank_slow_at_its_own_work_is_named_with_its_host_within_two_log_windows(
     tmp_path: Path,
 ) -> None:
-    lines, records = spawn(2, _train, tmp_path / "run", True, 4, 2, workdir=tmp_path)[0]
-    warnings = _warnings(lines)
+    lines, records = spawn(2, train_ranks, tmp_path / "run", True, 4, 2, workdir=tmp_path)[0]
+    warnings = slowest_warnings(lines)
     assert warnings, "\n".join(lines)
     assert all(
         line.startswith(f"WARNING rank 1 on {socket.gethostname()} is the slowest")
@@ -108,8 +117,8 @@ def test_a_rank_slow_at_its_own_work_is_named_with_its_host_within_two_log_windo
 
 
 def test_ranks_alike_name_nobody(tmp_path: Path) -> None:
-    lines, records = spawn(2, _train, tmp_path / "run", False, 8, 4, workdir=tmp_path)[0]
-    assert _warnings(lines) == []
+    lines, records = spawn(2, train_ranks, tmp_path / "run", False, 8, 4, workdir=tmp_path)[0]
+    assert slowest_warnings(lines) == []
     train = [record for record in records if "train/loss" in record]
     assert len(train) == 2
     assert all(record["train/slowest_excess"] < THRESHOLD for record in train)
