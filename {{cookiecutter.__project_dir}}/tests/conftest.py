@@ -13,6 +13,15 @@ from {{ cookiecutter.package_name }}.config import Config, load_config
 from .helpers import FAST
 
 
+@pytest.fixture(autouse=True)
+def cpu_unless_marked_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU suite runs on CPUs on a GPU machine too: the processes a test not marked `gpu`
+    starts (torchrun, train.py, the ranks of `spawn`) see no GPU, so dist.device=auto picks the
+    CPU and gloo, as on a laptop, and two ranks never ask for two GPUs where there is one."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
 @pytest.fixture
 def fast_config(tmp_path: Path) -> Config:
     """A small config whose run directory lives in the test's tmp_path."""

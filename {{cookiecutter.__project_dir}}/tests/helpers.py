@@ -175,7 +175,7 @@ def spawn(
     workdir.mkdir(parents=True, exist_ok=True)
     context = mp.start_processes(
         _spawned,
-        args=(world_size, worker, args, str(workdir)),
+        args=(world_size, worker, args, str(workdir), os.environ.get("CUDA_VISIBLE_DEVICES")),
         nprocs=world_size,
         join=False,
         start_method="forkserver",
@@ -192,8 +192,18 @@ def spawn(
 
 
 def _spawned(
-    rank: int, world_size: int, worker: Callable[..., Any], args: tuple, workdir: str
+    rank: int,
+    world_size: int,
+    worker: Callable[..., Any],
+    args: tuple,
+    workdir: str,
+    visible_gpus: str | None,
 ) -> None:
+    # The GPUs the test sees (none for a test not marked gpu: conftest.py), not those of the
+    # test that started the forkserver: CUDA reads the variable when this process first uses it.
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    if visible_gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpus
     torch.set_num_threads(1)
     # Started from the forkserver, this process would start DataLoader workers that way too,
     # pickling the test's task; fork them, as a training process started by torchrun does.
