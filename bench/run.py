@@ -582,7 +582,8 @@ def straggler_section(figures: dict | None) -> list[str]:
         "Each log line gives every rank's compute and its wait in the gradient all-reduce",
         "(`stragglers.py`): in the backward that all-reduces, a hook on the loss queues an",
         "autograd callback that reads the clock at the end of the rank's own backward, and the",
-        "clock is read again when the reduction is done. `bench/stragglers.py` trains the",
+        "clock is read again when the reduction is done, in one step of every third of",
+        "`train.log_every` (3 steps of the default 10). `bench/stragglers.py` trains the",
         f"default project's Trainer on {figures['world_size']} ranks in blocks of "
         f"{figures['steps']} steps with the wait timed,",
         "untimed (a context that does nothing in its place) and untimed again, taking turns in",

@@ -4,8 +4,9 @@ gradient all-reduce timed, as in training, against the same step untimed.
 Run by run.py: `torchrun --standalone --nproc-per-node=2 bench/stragglers.py --project DIR
 --json FILE [section.key=value ...]`. One Trainer per rank (the project's default config with
 the overrides) trains blocks of `--steps` steps, each block from the start of the epoch, with
-the wait timed (`Stragglers.timed_backward`, as in training) and untimed (a context that does
-nothing in its place), and untimed again, in an order drawn for each round of three blocks,
+the wait timed (`Stragglers.timed_backward`, as in training: one step in a third of
+train.log_every, the steps counted on across blocks) and untimed (a context that does nothing
+in its place), and untimed again, in an order drawn for each round of three blocks,
 after `--warmup` rounds. Per block: the CPU time of the training thread and of the process, and
 the wall time. A ratio (timed / untimed) is overhead.py's paired ratio over the rounds of both
 ranks, with its interval; untimed again / untimed is the control, what chance alone gives.
@@ -68,6 +69,7 @@ def main() -> int:
             start = (time.thread_time(), time.process_time(), time.perf_counter())
             for _ in range(args.steps):
                 trainer.train_step(batches)
+                trainer.step += 1  # which steps are timed follows the step count
             end = (time.thread_time(), time.process_time(), time.perf_counter())
             return {
                 figure: (b - a) / args.steps

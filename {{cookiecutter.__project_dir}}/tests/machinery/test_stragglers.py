@@ -45,7 +45,7 @@ def _report(
     waiting for data, and waited for the slowest in the all-reduce for the rest of its time."""
     steps, slowest = 10, max(own_s)
     timings = torch.tensor([[slowest * steps, 0.002 * steps] for _ in own_s], dtype=torch.float64)
-    waits = [[(slowest - own) * steps] for own in own_s]
+    waits = [[slowest - own] for own in own_s]
     no_gpu = [[math.nan] * len(stragglers.READINGS) for _ in own_s]
     rows = torch.tensor(
         [wait + gpu for wait, gpu in zip(waits, readings or no_gpu, strict=True)],
@@ -111,14 +111,15 @@ SLEEP_S = 0.3
 
 
 def _waits(rank: int, world_size: int) -> float:
-    """Three steps of a DDP model whose rank 1 sleeps before its backward; the wait each rank
-    measured."""
+    """Three steps of a DDP model whose rank 1 sleeps before its backward; the wait per step
+    each rank measured."""
     torch.manual_seed(0)
     model = DistributedDataParallel(
         torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(4)))
     )
     watch = Stragglers(CPU, world_size, threshold=0.25)
-    for _ in range(3):
+    for step in range(1, 4):
+        watch.start_step(step)
         loss = model(torch.randn(8, 64)).square().mean()
         if rank == 1:
             time.sleep(SLEEP_S)
@@ -131,16 +132,42 @@ def _waits(rank: int, world_size: int) -> float:
 @pytest.mark.timeout(120)
 def test_the_other_ranks_wait_for_a_slow_one_in_the_all_reduce(tmp_path: Path) -> None:
     fast, slow = spawn(2, _waits, workdir=tmp_path)
-    assert fast > 3 * SLEEP_S / 2  # most of rank 1's sleep, every step
+    assert fast > SLEEP_S / 2  # most of rank 1's sleep
     assert slow < fast
 
 
 def test_a_backward_that_does_not_reduce_is_not_timed() -> None:
     watch = Stragglers(CPU, 1, threshold=0.25)
+    watch.start_step(1)
     loss = torch.nn.Linear(4, 1)(torch.ones(4)).sum()
     with watch.timed_backward(loss, reduces=False):
         loss.backward()
     assert watch.row()[0] == 0.0
+
+
+def test_one_step_in_a_third_of_the_log_interval_is_timed() -> None:
+    """log_every=10: steps 3, 6 and 9 of the window; their mean wait is the row's."""
+    watch = Stragglers(CPU, 2, threshold=0.25, log_every=10)
+    timed = []
+    for step in range(1, 11):
+        watch.start_step(step)
+        loss = torch.nn.Linear(4, 1)(torch.ones(4)).sum()
+        with watch.timed_backward(loss, reduces=True) as context:
+            loss.backward()
+        timed += [step] if context is watch else []
+    assert timed == [3, 6, 9]
+    assert 0 <= watch.row()[0] < 1
+
+
+def test_a_window_without_a_timed_step_names_nobody() -> None:
+    """The last window of a run (or the first after a resume) may hold no timed step."""
+    watch = Stragglers(CPU, 2, threshold=0.25, log_every=10)
+    watch.start_step(10)
+    row = watch.row()
+    assert math.isnan(row[0])
+    timings = torch.tensor([[1.0, 0.0], [2.0, 0.0]], dtype=torch.float64)
+    rows = torch.tensor([row, row], dtype=torch.float64)
+    assert watch.report(timings, rows, steps=1) == ({}, None)
 
 
 @pytest.fixture

@@ -148,7 +148,7 @@ class TrainConfig:
     `straggler_threshold`: each log line measures every rank's own time per step (its compute
     and data wait, without its wait for the others in the gradient all-reduce) and warns, naming
     the rank and its host, when the slowest exceeds the other ranks' median by more than this
-    share of it (stragglers.py).
+    share of it (stragglers.py; the wait is timed in one step of every third of `log_every`).
 
     `on_nonfinite`: a NaN or infinite loss or gradient norm is read at the next log line and
     always before a checkpoint (no wait for the device in the step). `stop` ends the run with

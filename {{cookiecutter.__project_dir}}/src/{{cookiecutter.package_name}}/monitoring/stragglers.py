@@ -29,6 +29,12 @@ torch's own DDP and FSDP queue theirs through the same engine call). Times come 
 clock on CPU, and on GPUs from CUDA events recorded on the compute stream, so nothing in a
 step waits for the device; they are read at the log line, after the step meter synchronised
 the device, and ride in its all-gather.
+
+Not every step is timed: one in `every`, a third of the log interval or less, so that a full
+log window holds at least TIMED_PER_WINDOW timed steps. A rank's wait per step is the mean over
+the window's timed steps (the same steps on every rank: they count the same optimizer steps),
+and its own time per step its training time per step less that wait. The timing's cost (a hook
+and a callback in the backward, two clock readings) falls by as much.
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ READINGS: list[tuple[str, Callable[[torch.device], float], float, str]] = [
 ]
 
 _UNTIMED = nullcontext()
+#: The fewest steps of a full log window whose wait is timed.
+TIMED_PER_WINDOW = 3
 
 
 def device_readings(device: torch.device) -> list[float]:
@@ -110,24 +118,37 @@ class Stragglers:
     """This rank's collective wait in the steps of a log window, and the log line's verdict on
     every rank's figures.
 
-    The trainer wraps each backward in `timed_backward(loss, reduces)`, adds `row()` to the log
-    line's gather, and hands every rank's rows to `report()`. A warning is due when the slowest
-    rank's excess passes `threshold` (a share of the others' median; 0: never).
+    The trainer calls `start_step(step)` before each optimizer step and wraps each backward in
+    `timed_backward(loss, reduces)`, adds `row()` to the log line's gather, and hands every
+    rank's rows to `report()`. A warning is due when the slowest rank's excess passes
+    `threshold` (a share of the others' median; 0: never). One step in `every` is timed:
+    a third of `log_every` or less.
     """
 
-    def __init__(self, device: torch.device, world_size: int, threshold: float) -> None:
+    def __init__(
+        self, device: torch.device, world_size: int, threshold: float, log_every: int = 1
+    ) -> None:
         self.device = device
         self.world_size = world_size
         self.threshold = threshold
+        self.every = max(1, log_every // TIMED_PER_WINDOW)
+        self._timing = True
+        self._timed_steps = 0
         self._wait_s = 0.0
         self._waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._spare: list[torch.cuda.Event] = []
         self._own_work_done: float | torch.cuda.Event | None = None
 
+    def start_step(self, step: int) -> None:
+        """Before optimizer step `step` (counted from 1): whether its wait is timed."""
+        self._timing = step % self.every == 0
+        self._timed_steps += self._timing
+
     def timed_backward(self, loss: torch.Tensor, reduces: bool) -> AbstractContextManager:
         """Around `loss.backward()`: when that backward reduces the gradients (the last
-        micro-batch of an update under DDP), times this rank's wait for the reduction."""
-        if not reduces:
+        micro-batch of an update under DDP) in a timed step, times this rank's wait for the
+        reduction."""
+        if not (reduces and self._timing):
             return _UNTIMED
         loss.register_hook(self._at_backward_start)
         return self
@@ -160,28 +181,30 @@ class Stragglers:
         return event
 
     def row(self) -> list[float]:
-        """This rank's figures of the window, for the gather: its collective wait in seconds,
-        then its `device_readings`. Starts the next window. On a GPU, call it once the device is
+        """This rank's figures of the window, for the gather: its collective wait per timed
+        step in seconds (NaN when no step of the window was timed), then its
+        `device_readings`. Starts the next window. On a GPU, call it once the device is
         synchronised (StepMeter.window), so that every event has its time."""
         wait_s = self._wait_s + sum(start.elapsed_time(end) for start, end in self._waits) / 1e3
+        per_step = wait_s / self._timed_steps if self._timed_steps else math.nan
         self._spare.extend(event for pair in self._waits for event in pair)
         self._waits.clear()
-        self._wait_s = 0.0
-        return [wait_s, *device_readings(self.device)]
+        self._wait_s, self._timed_steps = 0.0, 0
+        return [per_step, *device_readings(self.device)]
 
     def report(
         self, timings: torch.Tensor, rows: torch.Tensor, steps: int
     ) -> tuple[dict[str, float], str | None]:
-        """The log line's figures from every rank's window (`timings`: one row per rank, its
-        train_s and data_wait_s; `rows`: its `row()`), and the warning that names the slowest
-        rank when its excess passes the threshold (None otherwise).
+        """The log line's figures from every rank's window of `steps` steps (`timings`: one row
+        per rank, its train_s and data_wait_s; `rows`: its `row()`), and the warning that names
+        the slowest rank when its excess passes the threshold (None otherwise).
 
-        With several ranks: the median and the maximum over the ranks of compute and of
-        collective wait, per step, and the slowest rank with its excess (a share of the others'
-        median). The GPU readings, where every rank has them: their median over the ranks, and
-        the slowest rank's.
+        With several ranks and a timed step in the window: the median and the maximum over
+        the ranks of compute and of collective wait, per step, and the slowest rank with its
+        excess (a share of the others' median). The GPU readings, where every rank has them:
+        their median over the ranks, and the slowest rank's.
         """
-        train_s, data_wait_s, wait_s = timings[:, 0], timings[:, 1], rows[:, 0]
+        train_s, data_wait_s, wait = timings[:, 0], timings[:, 1], rows[:, 0]
         readings = rows[:, 1:]
         known = [
             (index, name, shown)
@@ -189,11 +212,10 @@ class Stragglers:
             if not bool(readings[:, index].isnan().any())
         ]
         figures = {f"train/gpu_{name}": _median(readings[:, index]) for index, name, _ in known}
-        if self.world_size == 1:
+        if self.world_size == 1 or bool(wait.isnan().any()):
             return figures, None
-        own = (train_s - wait_s).clamp(min=0) / steps
+        own = (train_s / steps - wait).clamp(min=0)
         compute = (own - data_wait_s / steps).clamp(min=0)
-        wait = wait_s / steps
         straggler = slowest_rank(own.tolist())
         figures |= {
             "train/compute_s": _median(compute),

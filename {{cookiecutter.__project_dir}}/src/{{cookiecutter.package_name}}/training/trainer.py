@@ -300,7 +300,9 @@ class Trainer:
         self.best = BestCheckpoint(self.config.best)
         self.saved_step: int | None = None
         self.meter = StepMeter(device)
-        self.stragglers = Stragglers(device, self.env.world_size, train.straggler_threshold)
+        self.stragglers = Stragglers(
+            device, self.env.world_size, train.straggler_threshold, train.log_every
+        )
         self.ranges = StepRanges(self.config.profile, device)
         self.unit = self.task.throughput_unit
         self.units_per_micro_batch = self.micro_batch_size * self.task.units_per_sample
@@ -404,6 +406,7 @@ class Trainer:
         Returns the gradient norms before clipping (as "grad_norm", or "<update>/grad_norm")
         where they are computed anyway (clipping on) or will be logged after this step.
         """
+        self.stragglers.start_step(self.step + 1)
         micro_batches = self._micro_batches(batches)
         steps = [self.optimizer_step(update, micro_batches) for update in self.updates]
         self.gradients_checked = True
