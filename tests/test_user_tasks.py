@@ -18,7 +18,8 @@ config.py left beside it).
   resume tests: 2 gloo ranks train, crash and resume bitwise, and resume on 1 and 4 ranks.
 - sgd_task.py (an optimizer and a schedule of its own: SGD with Nesterov momentum, group
   options of SGD's, a step-decay factor per step) runs the gradient tests (2 ranks == 1 rank ==
-  accumulation, float64), the resume tests and the restart tests (ranks killed and restarted).
+  accumulation, float64) and the resume tests. Ranks killed and restarted by torchrun resume
+  through the same checkpoints: the GAN and the default project's fault tests restart them.
 - gan_task.py (a GAN with alternating updates: `Task.updates`, the discriminator's step then the
   generator's, each with its own Adam and learning rate) runs the gradient tests (per update:
   2 ranks == 1 rank == accumulation in float64, one all-reduce per update and step, the other
@@ -27,7 +28,7 @@ config.py left beside it).
 - contrastive_task.py (an encoder trained with InfoNCE whose negatives are gathered from
   every rank with autograd, `whole_batch_loss`, evaluation by per-sample sums) runs the
   gradient tests (2 ranks == 1 rank in float64, accumulation refused naming the micro-batch
-  size), the resume tests and the restart tests.
+  size) and the resume tests.
 - hf_gpt2_task.py (a Hugging Face GPT2LMHeadModel from a tiny GPT2Config, no download) trains,
   crashes and resumes bitwise on 2 ranks, and an epoch's throughput adds up to its real tokens.
 
@@ -124,18 +125,11 @@ def test_a_task_with_sgd_and_a_schedule_of_its_own_trains_alike_on_any_world_siz
     tmp_path: Path,
 ) -> None:
     """SGD with Nesterov momentum and a step-decay factor per step: 2 ranks, accumulation and 1
-    rank make the same updates in float64; a crashed run, and ranks killed and restarted by
-    torchrun, end bitwise where an unbroken run ends; the momentum buffers and the schedule's
-    step are in the checkpoints."""
+    rank make the same updates in float64; a crashed run ends bitwise where an unbroken run
+    ends; the momentum buffers and the schedule's step are in the checkpoints."""
     task = (USER_TASKS / "sgd_task.py").read_text()
     project, env, _ = project_with_task("User Sgd Task", task, tmp_path)
-    cases = run_project_suite(
-        project,
-        env,
-        "tests/task/test_gradients.py",
-        *RESUMES,
-        f"tests/task/test_restart.py::{KILLED_AND_RESTARTED}",
-    )
+    cases = run_project_suite(project, env, "tests/task/test_gradients.py", *RESUMES)
     assert "test_weights_are_bitwise_equal_to_an_unbroken_run" in cases
 
 
@@ -173,17 +167,11 @@ def test_a_contrastive_loss_with_negatives_from_every_rank_trains_alike_on_any_w
 ) -> None:
     """InfoNCE against every rank's embeddings, gathered with autograd and not scaled by the
     world size: 2 ranks make the updates of one process with the whole batch in float64, a
-    split that needs accumulation is refused, a crashed run and ranks killed and restarted end
-    bitwise where an unbroken run ends, and a run resumed on 1 and 4 ranks continues it."""
+    split that needs accumulation is refused, a crashed run ends bitwise where an unbroken run
+    ends, and a run resumed on 1 and 4 ranks continues it."""
     task = (USER_TASKS / "contrastive_task.py").read_text()
     project, env, _ = project_with_task("User Contrastive Task", task, tmp_path)
-    cases = run_project_suite(
-        project,
-        env,
-        *WHOLE_BATCH_GRADIENTS,
-        *RESUMES,
-        f"tests/task/test_restart.py::{KILLED_AND_RESTARTED}",
-    )
+    cases = run_project_suite(project, env, *WHOLE_BATCH_GRADIENTS, *RESUMES)
     refusal = cases["test_a_whole_batch_loss_refuses_accumulation_naming_the_micro_batch_size"]
     assert refusal.find("skipped") is None
     assert "test_weights_are_bitwise_equal_to_an_unbroken_run" in cases
