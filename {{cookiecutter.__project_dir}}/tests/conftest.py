@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from {{ cookiecutter.package_name }}.config import Config, load_config
 
@@ -15,11 +16,15 @@ from .helpers import FAST
 
 @pytest.fixture(autouse=True)
 def cpu_unless_marked_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CPU suite runs on CPUs on a GPU machine too: the processes a test not marked `gpu`
-    starts (torchrun, train.py, the ranks of `spawn`) see no GPU, so dist.device=auto picks the
-    CPU and gloo, as on a laptop, and two ranks never ask for two GPUs where there is one."""
+    """The CPU suite runs on CPUs on a GPU machine too: a test not marked `gpu`, and the
+    processes it starts (torchrun, train.py, the ranks of `spawn`), see no GPU, so
+    dist.device=auto picks the CPU and gloo, as on a laptop, and two ranks never ask for two
+    GPUs where there is one. In this process CUDA may already know the GPUs (test_gpu.py counts
+    them as it is collected): torch.cuda answers for the test instead."""
     if request.node.get_closest_marker("gpu") is None:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
 
 
 @pytest.fixture

@@ -150,6 +150,12 @@ def test_cpu_device_uses_gloo() -> None:
     assert select_backend(device, DistConfig()) == "gloo"
 
 
+def test_a_test_not_marked_gpu_trains_on_the_cpu_on_a_gpu_machine_too() -> None:
+    """conftest.py hides the GPUs from it and from the processes it starts."""
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    assert select_device(DistEnv(), DistConfig(device="auto")) == torch.device("cpu")
+
+
 def test_nccl_on_cpu_is_a_clear_error() -> None:
     with pytest.raises(DistributedError, match="nccl needs CUDA"):
         select_backend(torch.device("cpu"), DistConfig(backend="nccl"))
@@ -163,7 +169,6 @@ def test_the_mpi_backend_without_mpi_in_torch_is_refused_saying_why() -> None:
         select_backend(torch.device("cpu"), DistConfig(backend="mpi"))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")
 def test_asking_for_cuda_without_a_gpu_is_a_clear_error() -> None:
     with pytest.raises(DistributedError, match="no CUDA device is visible"):
         select_device(DistEnv(), DistConfig(device="cuda"))
