@@ -236,6 +236,14 @@ def test_hostile_cuda_visible_devices_is_only_counted(
     assert "--nproc-per-node=1 " in command
 
 
+def test_an_empty_cuda_visible_devices_hides_every_gpu(project: Path, fake_bin: Path) -> None:
+    """CUDA sees no GPU when CUDA_VISIBLE_DEVICES is set and empty: torchrun.sh starts the 2 CPU
+    processes of a machine without GPUs, not one per GPU that nvidia-smi lists."""
+    env = {"CUDA_VISIBLE_DEVICES": ""}
+    command = dry_run(project, "launch/torchrun.sh", env, [fake_bin / "gpus"])
+    assert "--nproc-per-node=2 " in command
+
+
 @pytest.mark.parametrize(
     ("script", "env", "message"),
     [

@@ -83,14 +83,14 @@ die() {
 }
 
 # GPUs this process may use: those nvidia-smi lists, or the CUDA_VISIBLE_DEVICES subset; 0 when
-# there is no NVIDIA driver.
+# there is no NVIDIA driver, or when CUDA_VISIBLE_DEVICES is set and empty (CUDA then sees none).
 gpu_count() {
     local listed=0
     if command -v nvidia-smi >/dev/null 2>&1; then
         listed="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)"
     fi
     # Compared as text, not with -gt: [[ -gt ]] evaluates its operands as arithmetic.
-    if [[ "$listed" =~ ^[1-9][0-9]*$ && -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
+    if [[ "$listed" =~ ^[1-9][0-9]*$ && -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
         listed="$(awk -F, '{ print NF }' <<<"$CUDA_VISIBLE_DEVICES")"
     fi
     echo "${listed:-0}"
