@@ -24,7 +24,7 @@ from {{ cookiecutter.package_name }}.task import Task
 from {{ cookiecutter.package_name }}.training.trainer import Trainer
 
 from ..helpers import FAST, run_torchrun, spawn, write_fault_entry
-from .test_slow_rank import SLEEP_S, slowest_warnings, train_ranks
+from .test_slow_rank import rank_one_named_slowest, train_ranks
 from .test_timeouts import HANG
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
@@ -104,12 +104,7 @@ def test_a_slow_rank_on_a_gpu_is_named_from_cuda_events_with_the_gpu_readings(
     lines, records = spawn(
         2, train_ranks, tmp_path / "run", True, 4, 2, "cuda", more, workdir=tmp_path
     )[0]
-    warnings = slowest_warnings(lines)
-    assert warnings and all(line.startswith("WARNING rank 1 on ") for line in warnings), lines
-    train = [record for record in records if "train/loss" in record]
-    assert [record["train/slowest_rank"] for record in train] == [1, 1]
-    assert all(record["train/compute_max_s"] > SLEEP_S for record in train)
-    assert all(record["train/collective_wait_max_s"] > SLEEP_S / 2 for record in train)
+    warnings, train = rank_one_named_slowest(lines, records)
     if importlib.util.find_spec("pynvml") is not None:
         readings = ["clock_mhz", "temperature_c", "power_w", "utilization"]
         assert all(f"train/gpu_{name}" in train[-1] for name in readings), train[-1]

@@ -98,22 +98,29 @@ def slowest_warnings(lines: list[str]) -> list[str]:
     return [line for line in lines if line.startswith("WARNING") and "is the slowest" in line]
 
 
+def rank_one_named_slowest(lines: list[str], records: list[dict]) -> tuple[list[str], list[dict]]:
+    """Rank 1 is named in the warnings and in the records of both log windows; it computes for
+    most of a step, and the other rank waits for it about as long. Returns the warnings and the
+    training records."""
+    warnings = slowest_warnings(lines)
+    assert warnings and all(line.startswith("WARNING rank 1 on ") for line in warnings), lines
+    train = [record for record in records if "train/loss" in record]
+    assert [record["train/slowest_rank"] for record in train] == [1, 1]
+    assert all(record["train/compute_max_s"] > SLEEP_S for record in train)
+    assert all(record["train/collective_wait_max_s"] > SLEEP_S / 2 for record in train)
+    return warnings, train
+
+
 def test_a_rank_slow_at_its_own_work_is_named_with_its_host_within_two_log_windows(
     tmp_path: Path,
 ) -> None:
     lines, records = spawn(2, train_ranks, tmp_path / "run", True, 4, 2, workdir=tmp_path)[0]
-    warnings = slowest_warnings(lines)
-    assert warnings, "\n".join(lines)
+    warnings, train = rank_one_named_slowest(lines, records)
     assert all(
         line.startswith(f"WARNING rank 1 on {socket.gethostname()} is the slowest")
         for line in warnings
     )
-    train = [record for record in records if "train/loss" in record]
-    assert [record["train/slowest_rank"] for record in train] == [1, 1]
     assert any(record["train/slowest_excess"] > THRESHOLD for record in train)
-    # The slow rank computes for most of a step; the other waits for it about as long.
-    assert all(record["train/compute_max_s"] > SLEEP_S for record in train)
-    assert all(record["train/collective_wait_max_s"] > SLEEP_S / 2 for record in train)
 
 
 def test_ranks_alike_name_nobody(tmp_path: Path) -> None:
