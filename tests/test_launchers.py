@@ -280,9 +280,9 @@ SHORT_RUN = [
 
 
 #: Steps of a run long enough to be interrupted: it is signalled once its first checkpoint
-#: (step 100) is written, and stops within a few seconds (a few hundred steps); a
-#: requeued run then trains the rest.
-LONG_STEPS = 2000
+#: (step 100) is written, and stops within a few seconds (300 to 460 steps here, at the
+#: stop check after the signal); a requeued run then trains the rest.
+LONG_STEPS = 1200
 LONG_RUN = [
     *SHORT_RUN,
     "train.epochs=1000",
@@ -559,9 +559,10 @@ def let_requeued_job_start(slurm: SlurmCluster, job_id: str) -> None:
     slurm.run("scontrol", "update", f"jobid={job_id}", "starttime=now")
 
 
-#: Preemption cases: (flags, partition of the training job, who requeues it)
+#: Preemption cases: (flags, partition of the training job, who requeues it). TERM reaches
+#: every process of either kind of job; a torchrun job requeued by the script after a TERM is
+#: test_term_by_hand_checkpoints_requeues_and_resumes[steps].
 PREEMPTIONS = {
-    "torchrun-cancel": (CPU_FLAGS, "debug", "the script"),
     "task-per-process-cancel": (TASK_PER_PROCESS_FLAGS, "debug", "the script"),
     "torchrun-requeue": (CPU_FLAGS, "requeue", "Slurm"),
 }

@@ -154,10 +154,13 @@ def write_fault_entry(directory: Path, fault: str) -> Path:
 
 # Worker processes fork from a server that has already imported torch: much faster than a
 # fresh interpreter per worker, and unlike a plain fork it copies no test-runner threads.
+# DistributedDataParallel imports torch._dynamo when it is built (2 s of CPU on every rank):
+# the server imports it once.
 mp.set_forkserver_preload(
     [
         "torch",
         "torch.distributed",
+        "torch._dynamo",
         "{{ cookiecutter.package_name }}.training.trainer",
     ]
 )
