@@ -14,8 +14,11 @@ CI, license, metadata) that the render tests and the launcher tests check. So:
   multi-process tests of mechanisms no task changes (TASK_INDEPENDENT), in a project of its own
   after the default one.
 - Every pair of values of the suite options (a pairwise cover, completing the projects above)
-  runs the 2-process training test, which trains, checkpoints and resumes with the pair's
-  model, precision and tracker, and each test module that an option changes or removes
+  runs the 2-process training test, which trains and checkpoints with the pair's model,
+  precision and tracker under torchrun (the second launch that resumes it runs in the projects
+  above, with each model; each precision's and each tracker's resume is tested by the tests
+  that set them: test_checkpoint.py's fp16 scaler, test_tracker.py's resumed runs), and each
+  test module that an option changes or removes
   (OPTION_TESTS: the config's, the tracker's, the GPT example's, ...) where the pair holds a
   variant of it that no project above ran. A test module's variant is the values of the options
   that its text reads and that the code it is named for reads (test_config.py: the config
@@ -89,8 +92,9 @@ OTHER_TASK_SELECTION = [
     "not faults and not own_tasks and not standalone",
     *(f"--deselect={node}" for node in TASK_INDEPENDENT),
 ]
-TWO_RANK_TEST = "test_two_ranks_train_checkpoint_and_resume"
+TWO_RANK_TEST = "test_two_ranks_train_and_checkpoint"
 TWO_RANK_NODE = f"tests/task/test_distributed.py::{TWO_RANK_TEST}"
+TWO_RANK_RESUME_TEST = "test_a_second_launch_resumes_the_two_ranks_and_the_loss_falls"
 #: The files that decide what the project's suite does: every Python file (code, tests,
 #: benchmarks) and the configs the tests load.
 SUITE_FILES = [
@@ -189,14 +193,16 @@ def run_project_suite(project: Path, env: dict[str, str], *options: str) -> dict
     return {case.get("name"): case for case in ET.parse(report).iter("testcase")}
 
 
-def assert_two_ranks_ran(cases: dict[str, ET.Element]) -> None:
-    two_rank = cases[TWO_RANK_TEST]
-    assert two_rank.find("skipped") is None and two_rank.find("failure") is None
+def assert_two_ranks_ran(cases: dict[str, ET.Element], *names: str) -> None:
+    for name in (TWO_RANK_TEST, *names):
+        two_rank = cases[name]
+        assert two_rank.find("skipped") is None and two_rank.find("failure") is None, name
 
 
 def assert_whole_suite_ran(cases: dict[str, ET.Element]) -> None:
-    """The 2-process gloo test really ran, and the NCCL tests were collected (skipped on CPU)."""
-    assert_two_ranks_ran(cases)
+    """The 2-process gloo tests really ran (a launch, and a second that resumes it), and the
+    NCCL tests were collected (skipped on CPU)."""
+    assert_two_ranks_ran(cases, TWO_RANK_RESUME_TEST)
     assert any("gpu" in name for name in cases), "the NCCL tests must be collected"
 
 

@@ -4,7 +4,9 @@ config on 8 ranks."""
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
+from subprocess import CompletedProcess
 
 import pytest
 
@@ -20,16 +22,33 @@ DEFAULT_CONFIG = Path(__file__).parents[2] / "configs" / "default.yaml"
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 
-def test_two_ranks_train_checkpoint_and_resume(tmp_path: Path) -> None:
-    """torchrun with 2 gloo ranks trains, checkpoints, and a second launch resumes from it."""
-    run_dir = tmp_path / "run"
-    first = run_torchrun(2, [*FAST, f"run.dir={run_dir}", "train.max_steps=8"])
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, CompletedProcess[str]]:
+    """A first launch: torchrun with 2 gloo ranks trains 8 steps, checkpointing every 4."""
+    run_dir = tmp_path_factory.mktemp("two-ranks") / "run"
+    return run_dir, run_torchrun(2, [*FAST, f"run.dir={run_dir}", "train.max_steps=8"])
+
+
+def test_two_ranks_train_and_checkpoint(two_rank_run: tuple[Path, CompletedProcess[str]]) -> None:
+    """torchrun with 2 gloo ranks trains and checkpoints every rank's part."""
+    run_dir, first = two_rank_run
     assert first.returncode == 0, first.stderr
     assert "2 ranks" in first.stderr
     checkpoint = latest_checkpoint(run_dir)
     assert checkpoint is not None and checkpoint.name == "step_00000008"
     assert {path.name for path in checkpoint.iterdir()} >= {"rank_00000.pt", "rank_00001.pt"}
+    losses = [r[TRAINING_LOSS] for r in read_metrics(run_dir) if TRAINING_LOSS in r]
+    assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
 
+
+def test_a_second_launch_resumes_the_two_ranks_and_the_loss_falls(
+    two_rank_run: tuple[Path, CompletedProcess[str]], tmp_path: Path
+) -> None:
+    """A second launch on (a copy of) the first launch's run directory resumes at its step 8
+    and trains on to step 16, logging every step once; the loss falls over the 16 steps."""
+    first_run, first = two_rank_run
+    assert first.returncode == 0, first.stderr
+    run_dir = Path(shutil.copytree(first_run, tmp_path / "run"))
     second = run_torchrun(2, [*FAST, f"run.dir={run_dir}", "train.max_steps=16"])
     assert second.returncode == 0, second.stderr
     assert "resumed from" in second.stderr and "at step 8" in second.stderr
