@@ -14,17 +14,35 @@ from {{ cookiecutter.package_name }}.config import Config, load_config
 from .helpers import FAST
 
 
+def _hide_gpus(patch: pytest.MonkeyPatch) -> None:
+    """No GPU for the processes started from here (torchrun, train.py, the ranks of `spawn`),
+    so dist.device=auto picks the CPU and gloo, as on a laptop, and two ranks never ask for two
+    GPUs where there is one. In this process CUDA may already know the GPUs (test_gpu.py counts
+    them as it is collected): torch.cuda answers instead."""
+    patch.setenv("CUDA_VISIBLE_DEVICES", "")
+    patch.setattr(torch.cuda, "is_available", lambda: False)
+    patch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_in_modules_without_gpu_tests(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The CPU suite runs on CPUs on a GPU machine too. A module's own fixtures (a run shared
+    by its tests) start before any of its tests: a module without a test marked `gpu` sees no
+    GPU from its start to its end."""
+    module_items = [item for item in request.session.items if item.module is request.module]
+    if any(item.get_closest_marker("gpu") for item in module_items):
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        _hide_gpus(patch)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def cpu_unless_marked_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CPU suite runs on CPUs on a GPU machine too: a test not marked `gpu`, and the
-    processes it starts (torchrun, train.py, the ranks of `spawn`), see no GPU, so
-    dist.device=auto picks the CPU and gloo, as on a laptop, and two ranks never ask for two
-    GPUs where there is one. In this process CUDA may already know the GPUs (test_gpu.py counts
-    them as it is collected): torch.cuda answers for the test instead."""
+    """In a module with GPU tests, each test not marked `gpu` sees no GPU either."""
     if request.node.get_closest_marker("gpu") is None:
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+        _hide_gpus(monkeypatch)
 
 
 @pytest.fixture

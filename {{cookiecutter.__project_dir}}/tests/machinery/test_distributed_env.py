@@ -156,6 +156,22 @@ def test_a_test_not_marked_gpu_trains_on_the_cpu_on_a_gpu_machine_too() -> None:
     assert select_device(DistEnv(), DistConfig(device="auto")) == torch.device("cpu")
 
 
+@pytest.fixture(scope="module")
+def seen_by_a_module_fixture() -> tuple[str | None, torch.device]:
+    """What a fixture shared by a module's tests (set up before any of them) sees."""
+    auto = select_device(DistEnv(), DistConfig(device="auto"))
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), auto
+
+
+def test_a_module_fixture_without_gpu_tests_trains_on_the_cpu_too(
+    seen_by_a_module_fixture: tuple[str | None, torch.device],
+) -> None:
+    """The runs that a module's tests share start before the tests: the GPUs are hidden from
+    them too, or their processes would take the GPU (2 ranks on one: "local rank 1 has no
+    GPU")."""
+    assert seen_by_a_module_fixture == ("", torch.device("cpu"))
+
+
 def test_nccl_on_cpu_is_a_clear_error() -> None:
     with pytest.raises(DistributedError, match="nccl needs CUDA"):
         select_backend(torch.device("cpu"), DistConfig(backend="nccl"))
