@@ -13,21 +13,20 @@ CI, license, metadata) that the render tests and the launcher tests check. So:
   task) runs the whole suite but the fault tests, the tests of tasks of their own and the
   multi-process tests of mechanisms no task changes (TASK_INDEPENDENT), in a project of its own
   after the default one.
-- Every pair of values of the suite options (a pairwise cover, completing the projects above)
-  runs the 2-process training test, which trains and checkpoints with the pair's model,
-  precision and tracker under torchrun (the second launch that resumes it runs in the projects
-  above, with each model; each precision's and each tracker's resume is tested by the tests
-  that set them: test_checkpoint.py's fp16 scaler, test_tracker.py's resumed runs), and each
-  test module that an option changes or removes
-  (OPTION_TESTS: the config's, the tracker's, the GPT example's, ...) where the pair holds a
-  variant of it that no project above ran. A test module's variant is the values of the options
-  that its text reads and that the code it is named for reads (test_config.py: the config
-  package, which the precision and the tracker change), so each variant of each test module
-  runs once, its multi-process tests included. Two options meet in the config (test_config.py
-  runs for each pair of precision and tracker) and in training (the 2-rank test). The other
-  tests read no option, and neither does the code they are named for: they set the precision
-  they check themselves (test_amp.py, test_trainer.py), and the tracker is test_tracker.py's;
-  the projects above run them with every model.
+- Every pair of values of the suite options (a pairwise cover, completing the projects above) runs
+  the 2-process training test, which trains and checkpoints with the pair's model, precision and
+  tracker under torchrun (the second launch that resumes it runs in the projects above, with each
+  model; each precision's and each tracker's resume is tested by the tests that set them:
+  test_checkpoint.py's fp16 scaler, test_tracker.py's resumed runs), and each test module that an
+  option changes or removes (OPTION_TESTS: the config's, the tracker's, the GPT example's, ...)
+  where the pair holds a variant of it that no project above ran. A test module's variant is the
+  values of the options that its text reads and that the code it is named for reads (test_config.py:
+  the config package, which the precision and the tracker change), so each variant of each test
+  module runs once, its multi-process tests included. Two options meet in the config (test_config.py
+  runs for each pair of precision and tracker) and in training (the 2-rank test). The other tests
+  read no option, and neither does the code they are named for: they set the precision they check
+  themselves (test_amp.py, test_trainer.py), and the tracker is test_tracker.py's; the projects
+  above run them with every model.
 
 The fault tests exercise code that no option changes (test_restart.py and test_timeouts.py read
 no option; a test checks it), so the default options run them once; so do the tests that train
