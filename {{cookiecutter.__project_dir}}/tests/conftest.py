@@ -29,7 +29,8 @@ def cpu_in_modules_without_gpu_tests(request: pytest.FixtureRequest) -> Iterator
     """The CPU suite runs on CPUs on a GPU machine too. A module's own fixtures (a run shared
     by its tests) start before any of its tests: a module without a test marked `gpu` sees no
     GPU from its start to its end."""
-    module_items = [item for item in request.session.items if item.module is request.module]
+    items = request.session.items
+    module_items = [item for item in items if getattr(item, "module", None) is request.module]
     if any(item.get_closest_marker("gpu") for item in module_items):
         yield
         return
