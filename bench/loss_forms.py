@@ -4,8 +4,8 @@ Run by run.py in a render of the `gpt` example: `torchrun --nproc-per-node=2 ben
 --project DIR --json FILE [section.key=value ...]`. The example's Task returns the mean over
 the tokens of a micro-batch; `SummedTokens` returns the same loss as a sum and the number of
 tokens, which the Trainer then normalises over the global batch (one more all-reduce of a
-scalar per step, and a multiplication of the gradients). The two take turns in one launch,
-`--rounds` times (benchmarks/overhead.py's rounds and intervals).
+scalar per step, and a multiplication of the gradients). The two take turns step by step in
+one launch, `--rounds` times (benchmarks/overhead.py's turns, blocks and intervals).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--warmup-steps", type=int, default=10)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--block-steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--confidence", type=float, default=0.95)
     parser.add_argument("overrides", nargs="*", help="section.key=value")
@@ -61,14 +62,15 @@ def main() -> int:
                 config, env, device, next(run_dirs), clock, task_class(config.task, config.run.seed)
             )
 
-        runs, _ = overhead.interleave(
+        blocks, _ = overhead.interleave(
             {"mean": runner(Task), "sum_count": runner(SummedTokens)},
             args.rounds,
             lambda: overhead.StepClock(device, args.warmup_steps, args.steps),
+            args.block_steps,
         )
-        results = {name: overhead.summary(loop_runs) for name, loop_runs in runs.items()}
+        results = {name: overhead.summary(loop_blocks) for name, loop_blocks in blocks.items()}
         results["ratios"] = {
-            "sum_count/mean": overhead.ratios(runs, "sum_count", "mean", args.confidence)
+            "sum_count/mean": overhead.ratios(blocks, "sum_count", "mean", args.confidence)
         }
         if env.is_main:
             args.json.write_text(json.dumps(results, indent=2) + "\n")

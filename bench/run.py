@@ -58,7 +58,7 @@ NPROC = 2
 #: The measurement conditions, as overrides of the default project's config.
 CONDITIONS = ["train.micro_batch_size=32", "train.mixed_precision=none", "data.num_workers=0"]
 #: The rounds of the gpt example's loss forms (section 5): its steps take some 50 times longer.
-LOSS_FORMS = {"warmup_steps": 10, "steps": 30, "rounds": 5}
+LOSS_FORMS = {"warmup_steps": 10, "steps": 30, "block_steps": 10, "rounds": 5}
 
 
 def torchrun(args: list[str], project: Path, log: Path, nproc: int = NPROC) -> subprocess.Popen:
@@ -92,7 +92,8 @@ def render(template: Path, output: Path, *answers: str) -> Path:
 def step_times(project: Path, args: argparse.Namespace) -> dict:
     result = OUT / "side_by_side.json"
     options = [f"--warmup-steps={args.warmup_steps}", f"--steps={args.steps}"]
-    options += [f"--rounds={args.rounds}", f"--project={project}", f"--json={result}"]
+    options += [f"--block-steps={args.block_steps}", f"--rounds={args.rounds}"]
+    options += [f"--project={project}", f"--json={result}"]
     run([str(BENCH / "side_by_side.py"), *options, *CONDITIONS], project, OUT / "side_by_side.log")
     return json.loads(result.read_text())
 
@@ -165,7 +166,8 @@ def before(ref: str, project: Path, args: argparse.Namespace) -> dict:
     shutil.copy(project / "benchmarks" / "overhead.py", old / "benchmarks" / "overhead.py")
     result = OUT / "before.json"
     options = [f"--warmup-steps={args.warmup_steps}", f"--steps={args.steps}"]
-    options += [f"--rounds={args.rounds}", f"--json={result}"]
+    options += [f"--block-steps={args.block_steps}", f"--rounds={args.rounds}"]
+    options += [f"--json={result}"]
     script = str(old / "benchmarks" / "overhead.py")
     run([script, *options, *CONDITIONS], old, OUT / "before.log")
     figures = json.loads(result.read_text())
@@ -304,17 +306,19 @@ def document(figures: dict, previous: str) -> str:
         "  `precision=32-true`, its DDP strategy, and logging, checkpoints, progress bar and",
         "  model summary off. The project's Trainer runs with its stop protocol on, as by",
         "  default; its logging, evaluation and checkpoints fall after the timed steps.",
-        f"- The loops take turns in one launch: {args['rounds']} rounds of one run of each loop,",
-        "  in an order drawn for each round, after a round that warms up. A run is",
-        f"  {args['warmup_steps']} warm-up steps, then {args['steps']} timed ones. Per step: the "
-        "wall median (from the end",
-        "  of one step to the end of the next) and the wall mean (the timed window over its",
-        "  steps), the slowest rank's, and the CPU time of the training thread and of the whole",
-        "  process over the window (the loop's own work, without waiting for the other rank or",
-        "  for a core), the mean of the ranks'. The tables show each loop's median over the",
-        "  rounds.",
-        "- A ratio is the geometric mean over the rounds of the ratio of the two runs of a",
-        "  round, with its 95% bootstrap interval over the rounds. The plain loop against itself",
+        "- The loops take turns in one launch, one optimizer step at a time: each on a thread",
+        "  of its own, in an order drawn for every cycle of one step each, so that neighbouring",
+        "  steps of the loops meet the same machine (a shared CPU changes speed by tens of",
+        "  percent from one second to the next; whole runs one after the other differed by more",
+        f"  than the loops). {args['rounds']} rounds, each building the loops anew, after one that",
+        f"  warms up; a run is {args['warmup_steps']} warm-up steps, then {args['steps']} timed",
+        f"  ones, in blocks of {args['block_steps']}. Per step: the wall median and mean (from the",
+        "  moment the loop has the turn to the end of its step), the slowest rank's, and the CPU",
+        "  time of the loop's thread and of the whole process (the loop's own work, without",
+        "  waiting for the other rank or for a core), the mean of the ranks'. The tables show",
+        "  each loop's median over the blocks.",
+        "- A ratio is the geometric mean over the blocks of the ratio of the same block of two",
+        "  loops, with its 95% bootstrap interval over the blocks. The plain loop against itself",
         "  is the control: its interval is what chance alone gives on this machine, the",
         "  resolution of the others. A goal is judged on the CPU time of the process, as met or",
         "  not met when the whole interval says so, else unresolved.",
@@ -392,7 +396,8 @@ def document(figures: dict, previous: str) -> str:
         "Trainer normalises over the global batch's tokens (an all-reduce of one number during",
         f"the last backward, and a multiplication of the gradients). {LOSS_FORMS['rounds']} rounds "
         f"of {LOSS_FORMS['warmup_steps']} warm-up",
-        f"steps, then {LOSS_FORMS['steps']} timed ones, the two taking turns.",
+        f"steps, then {LOSS_FORMS['steps']} timed ones, the two taking turns step by step (blocks",
+        f"of {LOSS_FORMS['block_steps']} steps).",
         "",
         *loop_table(
             figures["loss_forms"],
@@ -641,8 +646,9 @@ def human(size: int) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--warmup-steps", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--block-steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--launches", type=int, default=3)
     parser.add_argument("--before", metavar="REF", help="also measure the Trainer of this commit")
     parser.add_argument("--output", type=Path, default=DOC, help="default: %(default)s")

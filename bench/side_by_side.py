@@ -1,10 +1,10 @@
-"""Training loops timed side by side in one torchrun launch, in interleaved rounds.
+"""Training loops timed side by side in one torchrun launch, taking turns step by step.
 
 Run by run.py: `torchrun --nproc-per-node=2 bench/side_by_side.py --project DIR --json FILE
 [section.key=value ...]`.
 The loops come from the rendered project's benchmarks/overhead.py (its Trainer, its plain
-loop with and without `no_sync`, its rounds and intervals) and from lightning_loop.py. Two
-scenarios, each a list of loops run once per round, in an order drawn per round, `--rounds` times:
+loop with and without `no_sync`, its turns, blocks and intervals) and from lightning_loop.py.
+Two scenarios, each a list of loops that take turns one step at a time, `--rounds` times:
 
 - the default batch: global 128 = 2 ranks x micro-batch 32 x 2 accumulation steps: the project's
   Trainer, the plain loop, Lightning and the plain loop again (two runs of the same loop: how
@@ -12,8 +12,8 @@ scenarios, each a list of loops run once per round, in an order drawn per round,
 - accumulation K=4 (global 256): the Trainer and the plain loop, both with `no_sync`, and the
   plain loop with an all-reduce after every micro-batch.
 
-Each scenario's figures hold every loop's medians over the rounds and runs, and the ratios of
-`RATIOS` with their intervals (overhead.py's `ratios`).
+Each scenario's figures hold every loop's medians over the blocks of `--block-steps` timed
+steps, and the ratios of `RATIOS` with their intervals over the blocks (overhead.py's `ratios`).
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def runner(
     device: torch.device,
     run_dirs: Iterator[Path],
 ) -> Callable[[Any], dict[str, torch.Tensor]]:
-    """The loop `name` as overhead.interleave runs it: it trains under a clock and returns its
-    final weights."""
+    """The loop `name` as overhead.interleave runs it: it trains under a clock, marking the end of
+    each step, and returns its final weights."""
     if name == "trainer":
         return lambda clock: overhead.run_trainer(config, env, device, next(run_dirs), clock)
     if name == "lightning":
@@ -78,8 +78,9 @@ def main() -> int:
     parser.add_argument("--project", type=Path, required=True)
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--warmup-steps", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--block-steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--confidence", type=float, default=0.95)
     parser.add_argument("overrides", nargs="*", help="section.key=value for every scenario")
     args = parser.parse_args()
@@ -94,19 +95,20 @@ def main() -> int:
             config = overhead.benchmark_config(
                 config_file, [*args.overrides, *overrides], args.warmup_steps, args.steps
             )
-            runs, equal = overhead.interleave(
+            blocks, equal = overhead.interleave(
                 {name: runner(name, overhead, config, env, device, run_dirs) for name in loops},
                 args.rounds,
                 lambda: overhead.StepClock(device, args.warmup_steps, args.steps),
+                args.block_steps,
             )
             results[scenario] = {
-                name: overhead.summary(loop_runs)
+                name: overhead.summary(loop_blocks)
                 | ({"bitwise_equal_to_trainer": equal[name]} if name in equal else {})
-                for name, loop_runs in runs.items()
+                for name, loop_blocks in blocks.items()
             }
             results[scenario]["ratios"] = {
                 f"{numerator}/{denominator}": overhead.ratios(
-                    runs, numerator, denominator, args.confidence
+                    blocks, numerator, denominator, args.confidence
                 )
                 for numerator, denominator in RATIOS[scenario]
             }

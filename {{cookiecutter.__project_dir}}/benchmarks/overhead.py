@@ -15,39 +15,44 @@ The Trainer adds what users get from it: loss tracking, the stop protocol
 checkpoints happen every N steps; their intervals are set beyond the timed steps here, since the
 plain loop has none of them.
 
-The loops run in one launch, in rounds: every round runs the Trainer, the plain loop and the
-plain loop again, one after the other, in an order drawn for each round, so that a machine
-that slows down during the launch slows every loop alike. A round before the first,
-not reported, warms up. Each run takes `--warmup-steps` untimed steps, then `--steps` timed
-ones, then one more untimed step, on which the Trainer evaluates and writes its final
-checkpoint. In every round the final weights of the three must be bitwise equal: the same work
-was done, so the times compare the loops and nothing else. On a GPU whose kernels are not
-deterministic (the atomics of cuDNN attention's backward), two runs of the same work end a few
-ulps apart: the plain loop then differs from itself too, and the benchmark says so.
+The loops run in one launch, taking turns one optimizer step at a time: each on a thread of
+its own, in an order drawn for every cycle of one step each (the Trainer, the plain loop, the
+plain loop again), so that neighbouring steps of the three meet the same machine. On a shared
+CPU, whose speed changes from one second to the next by tens of percent, whole runs one after
+the other differ by more than the loops do; steps side by side do not. Each loop keeps its own
+random streams, saved and restored at each turn. A launch runs `--rounds` rounds (each builds
+the three loops anew) after one that warms up, not reported. Each run takes `--warmup-steps`
+untimed steps, then `--steps` timed ones, then one more untimed step, on which the Trainer
+evaluates and writes its final checkpoint. In every round the final weights of the three must
+be bitwise equal: the same work was done, so the times compare the loops and nothing else. On
+a GPU whose kernels are not deterministic (the atomics of cuDNN attention's backward), two
+runs of the same work end a few ulps apart: the plain loop then differs from itself too, and
+the benchmark says so.
 
-The Trainer is used as it is: the time at the end of each of its steps is taken by the
-`StopRequests` it is given, which it asks after every optimizer step whether to stop (the
-answer is the real protocol's). The plain loop takes the same time stamp after its steps.
-Four figures per run, in seconds per timed step:
+The Trainer is used as it is: the end of each of its steps is marked by the `StopRequests` it
+is given, which it asks after every optimizer step whether to stop (the answer is the real
+protocol's). The plain loop marks the end of its steps the same way. A step runs from the
+moment its loop has the turn to that mark (on a GPU, to the end of its kernels: the device
+is synchronized there, as the loops share it). Four figures per block of `--block-steps`
+timed steps, in seconds per step:
 
-- wall median: the median time from the end of one step to the end of the next;
-- wall mean: the timed window over its steps, with the device synchronized at its two ends
-  only, so that on a GPU it counts the work done and not only the work queued;
-- CPU thread: the CPU time of the training thread over the window, per step: what the loop
-  itself computes and dispatches, without the waits for the other ranks or for a core that
-  another program holds;
+- wall median: the median time of the block's steps;
+- wall mean: their mean;
+- CPU thread: the CPU time of the loop's thread: what the loop itself computes and
+  dispatches, without the waits for the other ranks or for a core that another program holds;
 - CPU process: the same for every thread of the process (the collectives' threads too).
 
 The wall figures are the slowest rank's, the CPU figures the mean of the ranks'. The CPU
 figures show a loop's own cost even on a shared machine, where the wall clock measures the
 scheduler as much as the loop.
 
-Each ratio is the geometric mean over the rounds of the ratio within a round (Trainer /
-plain), with a bootstrap interval over the rounds (`--confidence`, 95% by default). The plain
-loop against itself (plain again / plain) is the control: its interval shows how far from 1
-chance alone takes a ratio on this machine, that is what the benchmark resolves. A Trainer
-ratio whose interval lies above 1 measures a cost; one whose interval holds 1 cannot be told
-from the plain loop at this resolution (more `--rounds` narrow both intervals).
+Each ratio is the geometric mean over the blocks of the ratio of the same block of two loops
+(Trainer / plain), with a bootstrap interval over the blocks (`--confidence`, 95% by
+default). The plain loop against itself (plain again / plain) is the control: its interval
+shows how far from 1 chance alone takes a ratio on this machine, that is what the benchmark
+resolves. A Trainer ratio whose interval lies above 1 measures a cost; one whose interval
+holds 1 cannot be told from the plain loop at this resolution (more `--rounds` or `--steps`
+narrow both intervals).
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -88,8 +94,8 @@ from {{ cookiecutter.package_name }}.faults.stopping import StopRequests
 from {{ cookiecutter.package_name }}.loading.data import build_train_loader, loader_workers
 from {{ cookiecutter.package_name }}.monitoring.metrics import MetricsLogger
 from {{ cookiecutter.package_name }}.task import Task
+from {{ cookiecutter.package_name }}.training import rng
 from {{ cookiecutter.package_name }}.training.losses import MicroLoss
-from {{ cookiecutter.package_name }}.training.rng import seed_all
 from {{ cookiecutter.package_name }}.training.trainer import (
     AUTOCAST_DTYPES,
     Trainer,
@@ -118,38 +124,144 @@ CPU_FIGURES = ("cpu_step_s", "process_cpu_step_s")
 
 
 class StepClock:
-    """Time stamps at the end of every optimizer step of one run: wall clock, the CPU time of
-    this thread and that of the process."""
+    """The time of each optimizer step of one run: from the moment the loop has its turn
+    (`begin`) to the end of the step (`tick`), in wall clock, CPU time of the loop's thread and
+    CPU time of the process. After each step, `after_step` hands the turn on (Turns)."""
 
     def __init__(self, device: torch.device, warmup_steps: int, steps: int) -> None:
         self.device = device
         self.window = (warmup_steps, warmup_steps + steps)
-        self.stamps: list[tuple[float, float, float]] = []
+        #: Per step: seconds of wall clock, of this thread's CPU and of the process's CPU.
+        self.steps: list[tuple[float, float, float]] = []
+        self.after_step: Callable[[], None] = lambda: None
+        self._begun = _now()
+
+    def begin(self) -> None:
+        self._begun = _now()
 
     def tick(self) -> None:
-        if len(self.stamps) + 1 in self.window and self.device.type == "cuda":
+        """The end of a step (on a GPU, of its kernels: the loops share the device); then the
+        other loops' turns, and this loop's next step begins."""
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.stamps.append((time.perf_counter(), time.thread_time(), time.process_time()))
+        end = _now()
+        self.steps.append(tuple(e - b for b, e in zip(self._begun, end, strict=True)))
+        self.after_step()
+        self.begin()
 
-    def figures(self) -> dict[str, float]:
-        """Seconds per timed step: median and mean wall clock, mean CPU time of this thread and
-        of the process."""
+    def blocks(self, size: int) -> list[dict[str, float]]:
+        """The timed steps' figures in blocks of `size` consecutive steps (see FIGURES)."""
         first, last = self.window
-        if len(self.stamps) <= last:
-            raise RuntimeError(f"the clock saw {len(self.stamps)} steps, fewer than {last + 1}")
-        timed = self.stamps[first - 1 : last]  # the end of the warm-up, then each timed step
-        steps = len(timed) - 1
-        start, end = timed[0], timed[-1]
-        return {
-            "median_step_s": statistics.median(b[0] - a[0] for a, b in itertools.pairwise(timed)),
-            "mean_step_s": (end[0] - start[0]) / steps,
-            "cpu_step_s": (end[1] - start[1]) / steps,
-            "process_cpu_step_s": (end[2] - start[2]) / steps,
-        }
+        if len(self.steps) < last:
+            raise RuntimeError(f"the clock saw {len(self.steps)} steps, fewer than {last}")
+        timed = self.steps[first:last]
+        return [block_figures(timed[start : start + size]) for start in range(0, len(timed), size)]
+
+
+def _now() -> tuple[float, float, float]:
+    return time.perf_counter(), time.thread_time(), time.process_time()
+
+
+def block_figures(steps: list[tuple[float, float, float]]) -> dict[str, float]:
+    """Seconds per step over `steps`: median and mean wall clock, mean CPU time of the loop's
+    thread and of the process."""
+    count = len(steps)
+    return {
+        "median_step_s": statistics.median(wall for wall, _, _ in steps),
+        "mean_step_s": sum(wall for wall, _, _ in steps) / count,
+        "cpu_step_s": sum(thread for _, thread, _ in steps) / count,
+        "process_cpu_step_s": sum(process for _, _, process in steps) / count,
+    }
+
+
+class Turns:
+    """The loops of one round, each on a thread of its own, taking turns one optimizer step at a
+    time: in each cycle every loop steps once, in an order drawn for the cycle (seeded: the same
+    on every rank, so their collectives meet). Only one loop runs at any time.
+
+    Neighbouring steps meet the same machine: a CPU that slows down for a second (another
+    program, a shared core) slows every loop alike, which runs of whole loops one after the
+    other do not. Each loop keeps its own random streams (dropout): the turn saves the state of
+    the loop that ends it and restores that of the loop that takes it, so each trains as it
+    would alone. A loop that fails ends the round: the others stop at their next step.
+    """
+
+    def __init__(self, names: list[str], seed: int, device: torch.device) -> None:
+        self.device = device
+        self._draw = random.Random(seed)
+        self._lock = threading.Lock()
+        #: One per loop: a turn wakes only the loop that takes it.
+        self._turn = {name: threading.Condition(self._lock) for name in names}
+        self._playing = list(names)
+        self._cycle: list[str] = []
+        self._current: str | None = None
+        self._streams: dict[str, dict] = {}
+        self._failure: BaseException | None = None
+
+    def run(self, runners: dict[str, Runner], clocks: dict[str, StepClock]) -> dict[str, Weights]:
+        """Run every loop to its end; returns each one's final weights."""
+        weights: dict[str, Weights] = {}
+
+        def play(name: str) -> None:
+            try:
+                if self.device.type == "cuda":
+                    torch.cuda.set_device(self.device)  # the current device is per thread
+                self._wait(name)
+                clocks[name].begin()
+                weights[name] = runners[name](clocks[name])
+            except BaseException as error:  # re-raised by run(), on the main thread
+                with self._lock:
+                    self._failure = self._failure or error
+                    for turn in self._turn.values():
+                        turn.notify()
+            finally:
+                self._pass(name, finished=True)
+
+        for name, clock in clocks.items():
+            clock.after_step = partial(self._take_turn, name)
+        threads = [threading.Thread(target=play, args=(name,), name=name) for name in runners]
+        for thread in threads:
+            thread.start()
+        with self._lock:
+            self._next()
+        for thread in threads:
+            thread.join()
+        if self._failure is not None:
+            raise self._failure
+        return weights
+
+    def _take_turn(self, name: str) -> None:
+        self._pass(name, finished=False)
+        self._wait(name)
+
+    def _pass(self, name: str, finished: bool) -> None:
+        with self._lock:
+            self._streams[name] = rng.capture(self.device)
+            if finished:
+                self._playing.remove(name)
+            self._next()
+
+    def _next(self) -> None:
+        """Give the turn to the next loop of the cycle (a new cycle drawn when it is over)."""
+        self._cycle = [name for name in self._cycle if name in self._playing]
+        if not self._cycle:
+            self._cycle = self._draw.sample(self._playing, len(self._playing))
+        self._current = self._cycle.pop(0) if self._cycle else None
+        if self._current in self._streams:
+            rng.restore(self._streams[self._current], self.device)
+        if self._current is not None:
+            self._turn[self._current].notify()
+
+    def _wait(self, name: str) -> None:
+        with self._lock:
+            self._turn[name].wait_for(lambda: self._current == name or self._failure is not None)
+            if self._failure is not None:
+                raise RuntimeError(f"{name} stopped: another loop failed") from self._failure
 
 
 class ClockedStopRequests(StopRequests):
-    """The Trainer's stop protocol, unchanged, with a time stamp after every optimizer step."""
+    """The Trainer's stop protocol, unchanged, with the clock's mark after every optimizer
+    step."""
 
     def __init__(self, clock: StepClock, enabled: bool, check_s: float) -> None:
         super().__init__(enabled, check_s)
@@ -199,7 +311,7 @@ def run_plain(
         train.global_batch_size, train.micro_batch_size, env.world_size
     )
     task = adopt(Task(config.task, seed=seed))
-    seed_all(seed)
+    rng.seed_all(seed)
     model = task_model = task.build_model().to(device)
     if env.world_size > 1:
         model = DistributedDataParallel(
@@ -210,7 +322,7 @@ def run_plain(
             static_graph=config.dist.static_graph,
             gradient_as_bucket_view=True,
         )
-    seed_all(seed + env.rank)  # each rank's own dropout, as in the Trainer
+    rng.seed_all(seed + env.rank)  # each rank's own dropout, as in the Trainer
     train_set, _ = task.build_datasets()
     # The Trainer's loader workers: data.num_workers, `auto` resolved for the ranks of this host.
     workers = loader_workers(config.data, int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)))
@@ -293,25 +405,31 @@ def benchmark_config(
     return config
 
 
-def over_ranks(figures: dict[str, float]) -> dict[str, float]:
-    """Every rank's figures as one: the slowest rank's wall clock (the ranks wait for each
-    other: the slowest sets the pace), the mean of the ranks' CPU times (each its own work)."""
+def over_ranks(blocks: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Every rank's figures of each block as one: the slowest rank's wall clock (the ranks wait
+    for each other: the slowest sets the pace), the mean of the ranks' CPU times (each its own
+    work)."""
     if not is_distributed():
-        return figures
-    slowest = torch.tensor(list(figures.values()), dtype=torch.float64)
+        return blocks
+    slowest = torch.tensor([list(block.values()) for block in blocks], dtype=torch.float64)
     mean = slowest.clone()
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     dist.all_reduce(mean)
     mean /= dist.get_world_size()
-    return {
-        key: float(mean[index] if key in CPU_FIGURES else slowest[index])
-        for index, key in enumerate(figures)
+    return [
+        {
+            key: float(mean[row, column] if key in CPU_FIGURES else slowest[row, column])
+            for column, key in enumerate(block)
+        }
+        for row, block in enumerate(blocks)
+    ]
+
+
+def summary(blocks: list[dict[str, float]]) -> dict:
+    """The median over the blocks of each figure, and the blocks."""
+    return {key: statistics.median(block[key] for block in blocks) for key in blocks[0]} | {
+        "blocks": blocks
     }
-
-
-def summary(runs: list[dict[str, float]]) -> dict:
-    """The median over the runs of each figure, and the runs."""
-    return {key: statistics.median(run[key] for run in runs) for key in runs[0]} | {"runs": runs}
 
 
 def same_weights(mine: Weights, other: Weights) -> bool:
@@ -321,42 +439,43 @@ def same_weights(mine: Weights, other: Weights) -> bool:
 
 
 def interleave(
-    runners: dict[str, Runner], rounds: int, clock: Callable[[], StepClock]
+    runners: dict[str, Runner],
+    rounds: int,
+    clock: Callable[[], StepClock],
+    block_steps: int,
 ) -> tuple[dict[str, list[dict[str, float]]], dict[str, bool]]:
-    """Run every loop once per round, in an order drawn at random for each round (seeded by
-    the round: the same on every rank), after a round that is not reported (the warm-up: first
-    calls, allocations, caches). A drawn order, not a rotation of one: with a rotation each loop
-    always follows the same other, and what one run leaves behind (memory, caches) would
-    weigh on one loop only.
+    """Run the loops `rounds` times, taking turns step by step (Turns), after a round that is not
+    reported (the warm-up: first calls, allocations, caches).
 
-    Returns each loop's figures per round (`over_ranks`), and for every loop but the
-    first whether its final weights were bitwise equal to the first loop's in every round.
+    Returns each loop's figures per block of `block_steps` timed steps (`over_ranks`), the
+    blocks of every round in order, and for every loop but the first whether its final weights
+    were bitwise equal to the first loop's in every round.
     """
     names = list(runners)
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    blocks: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     equal = {name: True for name in names[1:]}
     for round_index in range(rounds + 1):
-        weights = {}
-        for name in random.Random(round_index).sample(names, len(names)):
-            timer = clock()
-            weights[name] = runners[name](timer)
-            figures = over_ranks(timer.figures())
-            if round_index > 0:
-                runs[name].append(figures)
-            gc.collect()
+        clocks = {name: clock() for name in names}
+        turns = Turns(names, round_index, clocks[names[0]].device)
+        weights = turns.run(runners, clocks)
+        if round_index > 0:
+            for name in names:
+                blocks[name] += over_ranks(clocks[name].blocks(block_steps))
         for name in equal:
             equal[name] &= same_weights(weights[names[0]], weights[name])
-    return runs, equal
+        del weights
+        gc.collect()
+    return blocks, equal
 
 
 def paired_ratio(
     numerators: list[float], denominators: list[float], confidence: float, resamples: int = 10_000
 ) -> dict[str, float]:
-    """The geometric mean of the ratios of paired runs (numerator_i / denominator_i, taken in
-    the same round), with a percentile bootstrap interval over the pairs.
+    """The geometric mean of the ratios of paired blocks (numerator_i / denominator_i, the same
+    steps of two loops taking turns), with a percentile bootstrap interval over the pairs.
 
-    Pairing cancels what the rounds share (the machine's load at the time); the geometric mean
-    treats a ratio and its inverse alike. The resampling is seeded: the same runs give the
+    Pairing cancels what the blocks share (the machine's speed at the time); the geometric mean
+    treats a ratio and its inverse alike. The resampling is seeded: the same blocks give the
     same interval.
     """
     logs = torch.tensor(
@@ -373,13 +492,13 @@ def paired_ratio(
 
 
 def ratios(
-    runs: dict[str, list[dict[str, float]]], numerator: str, denominator: str, confidence: float
+    blocks: dict[str, list[dict[str, float]]], numerator: str, denominator: str, confidence: float
 ) -> dict[str, dict[str, float]]:
-    """`paired_ratio` of every figure of two loops' runs."""
+    """`paired_ratio` of every figure of two loops' blocks."""
     return {
         figure: paired_ratio(
-            [run[figure] for run in runs[numerator]],
-            [run[figure] for run in runs[denominator]],
+            [block[figure] for block in blocks[numerator]],
+            [block[figure] for block in blocks[denominator]],
             confidence,
         )
         for figure in FIGURES
@@ -402,7 +521,7 @@ def shared_temporary_dir(env: DistEnv) -> Path:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Step time of the Trainer against a plain DDP loop doing the same work, "
-        "in interleaved rounds in one launch (run under torchrun).",
+        "taking turns step by step in one launch (run under torchrun).",
         epilog="Example: torchrun --standalone --nproc-per-node=2 benchmarks/overhead.py "
         "train.micro_batch_size=64",
     )
@@ -410,9 +529,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--config", type=Path, default=DEFAULT_CONFIG, help="YAML config (default: %(default)s)"
     )
     parser.add_argument("--warmup-steps", type=int, default=10, help="untimed steps per run")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per run")
+    parser.add_argument("--steps", type=int, default=200, help="timed steps per run")
     parser.add_argument(
-        "--rounds", type=int, default=40, help="rounds of one run of each loop (default: 40)"
+        "--block-steps",
+        type=int,
+        default=10,
+        help="timed steps per block, the unit of the intervals (default: 10)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="rounds of one run of each loop (default: 5)"
     )
     parser.add_argument(
         "--confidence", type=float, default=0.95, help="of the intervals (default: 0.95)"
@@ -426,29 +551,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_args(argv)
-    if args.warmup_steps < 1 or args.steps < 2 or args.rounds < 1:
-        parser.error("--warmup-steps must be at least 1, --steps at least 2, --rounds at least 1")
+    if args.warmup_steps < 1 or args.block_steps < 1 or args.rounds < 1:
+        parser.error("--warmup-steps, --block-steps and --rounds must be at least 1")
+    if args.steps < args.block_steps or args.steps % args.block_steps:
+        parser.error(
+            f"--steps ({args.steps}) must be a multiple of --block-steps ({args.block_steps})"
+        )
     if not 0 < args.confidence < 1:
         parser.error("--confidence must be between 0 and 1")
     return args
 
 
 def report(
-    runs: dict[str, list[dict[str, float]]],
+    blocks: dict[str, list[dict[str, float]]],
     equal: dict[str, bool],
     args: argparse.Namespace,
     env: DistEnv,
 ) -> dict:
-    """The figures: each loop's medians over the rounds, the Trainer's ratio to the plain loop
+    """The figures: each loop's medians over the blocks, the Trainer's ratio to the plain loop
     and the control's, with their intervals; the table printed on rank 0. `equal`: for the
     Trainer and the plain loop's second run, whether their weights were the plain loop's."""
-    figures = {name: summary(loop_runs) for name, loop_runs in runs.items()}
-    ratio = ratios(runs, "trainer", "plain", args.confidence)
-    control = ratios(runs, "plain_again", "plain", args.confidence)
+    figures = {name: summary(loop_blocks) for name, loop_blocks in blocks.items()}
+    ratio = ratios(blocks, "trainer", "plain", args.confidence)
+    control = ratios(blocks, "plain_again", "plain", args.confidence)
     percent = f"{args.confidence:.0%}"
     lines = [
-        f"{args.rounds} rounds of {args.steps} timed steps per loop; per step, the median over "
-        f"the rounds, and ratios with their {percent} interval:",
+        f"{args.rounds} rounds of {args.steps} timed steps per loop, taking turns, in blocks of "
+        f"{args.block_steps}; per step, the median over the blocks, and ratios with their "
+        f"{percent} interval:",
         f"{'':<16} {'trainer':>10} {'plain':>10} {'plain again':>11}   "
         f"{'trainer / plain':<24} {'control: plain again / plain':<24}",
         *(
@@ -473,6 +603,7 @@ def report(
         "rounds": args.rounds,
         "warmup_steps": args.warmup_steps,
         "steps": args.steps,
+        "block_steps": args.block_steps,
         "confidence": args.confidence,
         "weights_bitwise_equal": all(equal.values()),
         "ratios": ratio,
@@ -506,10 +637,9 @@ def main(argv: list[str] | None = None) -> int:
             "plain": lambda clock: run_plain(config, env, device, clock),
             "plain_again": lambda clock: run_plain(config, env, device, clock),
         }
-        runs, equal = interleave(
-            runners, args.rounds, lambda: StepClock(device, args.warmup_steps, args.steps)
-        )
-        record = report(runs, equal, args, env)
+        clock = partial(StepClock, device, args.warmup_steps, args.steps)
+        blocks, equal = interleave(runners, args.rounds, clock, args.block_steps)
+        record = report(blocks, equal, args, env)
         if env.is_main:
             if args.json:
                 args.json.write_text(json.dumps(record, indent=2) + "\n")

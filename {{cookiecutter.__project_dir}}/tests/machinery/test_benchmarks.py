@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ..helpers import BENCHMARKS, FAST, UPDATES, load_benchmark, run_torchrun
 
@@ -41,8 +42,8 @@ def test_overhead_trains_the_same_weights_with_the_trainer_and_the_plain_loop(
 ) -> None:
     report = tmp_path / "overhead.json"
     # 21 steps of 16 per epoch: the second epoch's order is compared too.
-    options = ["--warmup-steps=10", "--steps=10", "--rounds=2", f"--json={report}"]
-    options += [f"--run-dir={tmp_path / 'runs'}", *FAST]
+    options = ["--warmup-steps=10", "--steps=10", "--block-steps=5", "--rounds=2"]
+    options += [f"--json={report}", f"--run-dir={tmp_path / 'runs'}", *FAST]
     result = run_torchrun(2, options, timeout=300, entry=BENCHMARKS / "overhead.py")
     if UPDATES:  # a model trained in parts has no plain loop of one optimizer to compare with
         assert result.returncode != 0 and "the task trains its model in updates" in result.stderr
@@ -54,13 +55,80 @@ def test_overhead_trains_the_same_weights_with_the_trainer_and_the_plain_loop(
     assert (record["world_size"], record["rounds"], record["steps"]) == (2, 2, 10)
     for ratio, numerator in (("ratios", "trainer"), ("control", "plain_again")):
         for figure in ("median_step_s", "mean_step_s", "cpu_step_s", "process_cpu_step_s"):
-            runs = [record[loop]["runs"] for loop in (numerator, "plain")]
-            assert all(len(loop_runs) == 2 for loop_runs in runs)
-            assert all(run[figure] > 0 for loop_runs in runs for run in loop_runs)
-            paired = [mine[figure] / plain[figure] for mine, plain in zip(*runs, strict=True)]
+            blocks = [record[loop]["blocks"] for loop in (numerator, "plain")]
+            assert all(len(loop_blocks) == 4 for loop_blocks in blocks)  # 2 per round
+            assert all(block[figure] > 0 for loop_blocks in blocks for block in loop_blocks)
+            paired = [mine[figure] / plain[figure] for mine, plain in zip(*blocks, strict=True)]
             interval = record[ratio][figure]
-            assert interval["ratio"] == pytest.approx(math.prod(paired) ** 0.5)
+            assert interval["ratio"] == pytest.approx(math.prod(paired) ** 0.25)
             assert interval["low"] <= interval["ratio"] <= interval["high"]
+
+
+def _turn_taker(name: str, steps: int, log: list[str]):
+    """A loop for overhead.Turns: `steps` steps, each logging its name and drawing one random
+    number from torch's global stream (as dropout does); returns its draws."""
+
+    def run(clock) -> dict[str, torch.Tensor]:
+        torch.manual_seed(len(name))
+        draws = []
+        for _ in range(steps):
+            log.append(name)
+            draws.append(torch.rand(()))
+            clock.tick()
+        return {"draws": torch.stack(draws)}
+
+    return run
+
+
+def test_loops_taking_turns_step_once_per_cycle_in_a_drawn_order_with_their_own_streams() -> None:
+    overhead = load_benchmark("overhead")
+    cpu = torch.device("cpu")
+    names = ["trainer", "plain", "plain_again"]
+
+    def play(seed: int) -> tuple[list[str], dict[str, dict[str, torch.Tensor]]]:
+        log: list[str] = []
+        runners = {name: _turn_taker(name, 6, log) for name in names}
+        clocks = {name: overhead.StepClock(cpu, 2, 4) for name in names}
+        return log, overhead.Turns(names, seed, cpu).run(runners, clocks)
+
+    log, weights = play(seed=3)
+    cycles = [log[start : start + 3] for start in range(0, len(log), 3)]
+    assert len(cycles) == 6 and all(sorted(cycle) == sorted(names) for cycle in cycles)
+    assert len({tuple(cycle) for cycle in cycles}) > 1  # an order drawn per cycle, not one
+    assert play(seed=3)[0] == log  # the same seed, the same turns: every rank alike
+    for name in names:  # each drew what it draws alone, though the others drew in between
+        torch.manual_seed(len(name))
+        assert torch.equal(weights[name]["draws"], torch.rand(6))
+
+
+def test_a_loop_that_fails_ends_the_turns_and_its_error_is_raised() -> None:
+    overhead = load_benchmark("overhead")
+    cpu = torch.device("cpu")
+    log: list[str] = []
+
+    def failing(clock) -> dict[str, torch.Tensor]:
+        clock.tick()
+        raise ValueError("the loop's own error")
+
+    runners = {"plain": _turn_taker("plain", 50, log), "failing": failing}
+    clocks = {name: overhead.StepClock(cpu, 1, 1) for name in runners}
+    with pytest.raises(ValueError, match="the loop's own error"):
+        overhead.Turns(list(runners), 0, cpu).run(runners, clocks)
+    assert len(log) < 5  # the other loop stopped at its next step
+
+
+def test_the_step_clock_times_each_step_from_its_turn_and_reports_blocks() -> None:
+    overhead = load_benchmark("overhead")
+    clock = overhead.StepClock(torch.device("cpu"), warmup_steps=2, steps=4)
+    for _ in range(7):
+        clock.begin()
+        clock.tick()
+    assert len(clock.steps) == 7 and all(min(step) >= 0 for step in clock.steps)
+    clock.steps = [(float(step), 0.5 * step, 0.25 * step) for step in range(1, 8)]
+    assert clock.blocks(2) == [
+        {"median_step_s": 3.5, "mean_step_s": 3.5, "cpu_step_s": 1.75, "process_cpu_step_s": 0.875},
+        {"median_step_s": 5.5, "mean_step_s": 5.5, "cpu_step_s": 2.75, "process_cpu_step_s": 1.375},
+    ]
 
 
 def test_the_overhead_ratio_of_paired_runs_has_an_interval_that_narrows_with_rounds() -> None:
