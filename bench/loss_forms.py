@@ -70,7 +70,9 @@ def main() -> int:
         )
         results = {name: overhead.summary(loop_blocks) for name, loop_blocks in blocks.items()}
         results["ratios"] = {
-            "sum_count/mean": overhead.ratios(blocks, "sum_count", "mean", args.confidence)
+            "sum_count/mean": overhead.ratios(
+                blocks, "sum_count", "mean", args.confidence, args.steps // args.block_steps
+            )
         }
         if env.is_main:
             args.json.write_text(json.dumps(results, indent=2) + "\n")

@@ -318,7 +318,8 @@ def document(figures: dict, previous: str) -> str:
         "  waiting for the other rank or for a core), the mean of the ranks'. The tables show",
         "  each loop's median over the blocks.",
         "- A ratio is the geometric mean over the blocks of the ratio of the same block of two",
-        "  loops, with its 95% bootstrap interval over the blocks. The plain loop against itself",
+        "  loops, with its 95% bootstrap interval over the rounds (the blocks of a round share",
+        "  its builds, which move them together by about 1%). The plain loop against itself",
         "  is the control: its interval is what chance alone gives on this machine, the",
         "  resolution of the others. A goal is judged on the CPU time of the process, as met or",
         "  not met when the whole interval says so, else unresolved.",
@@ -648,7 +649,7 @@ def main() -> int:
     parser.add_argument("--warmup-steps", type=int, default=10)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--block-steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--launches", type=int, default=3)
     parser.add_argument("--before", metavar="REF", help="also measure the Trainer of this commit")
     parser.add_argument("--output", type=Path, default=DOC, help="default: %(default)s")

@@ -80,7 +80,7 @@ def main() -> int:
     parser.add_argument("--warmup-steps", type=int, default=10)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--block-steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--confidence", type=float, default=0.95)
     parser.add_argument("overrides", nargs="*", help="section.key=value for every scenario")
     args = parser.parse_args()
@@ -108,7 +108,7 @@ def main() -> int:
             }
             results[scenario]["ratios"] = {
                 f"{numerator}/{denominator}": overhead.ratios(
-                    blocks, numerator, denominator, args.confidence
+                    blocks, numerator, denominator, args.confidence, args.steps // args.block_steps
                 )
                 for numerator, denominator in RATIOS[scenario]
             }

@@ -47,12 +47,13 @@ figures show a loop's own cost even on a shared machine, where the wall clock me
 scheduler as much as the loop.
 
 Each ratio is the geometric mean over the blocks of the ratio of the same block of two loops
-(Trainer / plain), with a bootstrap interval over the blocks (`--confidence`, 95% by
-default). The plain loop against itself (plain again / plain) is the control: its interval
-shows how far from 1 chance alone takes a ratio on this machine, that is what the benchmark
-resolves. A Trainer ratio whose interval lies above 1 measures a cost; one whose interval
-holds 1 cannot be told from the plain loop at this resolution (more `--rounds` or `--steps`
-narrow both intervals).
+(Trainer / plain), with a bootstrap interval over the rounds (`--confidence`, 95% by default):
+the blocks of one round share its builds, where each loop's memory lies, which moves them
+together by about 1% on a CPU, so the round is the unit that repeats. The plain loop against
+itself (plain again / plain) is the control: its interval shows how far from 1 chance alone
+takes a ratio on this machine, that is what the benchmark resolves. A Trainer ratio whose
+interval lies above 1 measures a cost; one whose interval holds 1 cannot be told from the
+plain loop at this resolution (more `--rounds` narrow both intervals).
 """
 
 from __future__ import annotations
@@ -469,37 +470,50 @@ def interleave(
 
 
 def paired_ratio(
-    numerators: list[float], denominators: list[float], confidence: float, resamples: int = 10_000
+    numerators: list[float],
+    denominators: list[float],
+    confidence: float,
+    per_round: int = 1,
+    resamples: int = 10_000,
 ) -> dict[str, float]:
     """The geometric mean of the ratios of paired blocks (numerator_i / denominator_i, the same
-    steps of two loops taking turns), with a percentile bootstrap interval over the pairs.
+    steps of two loops taking turns), with a percentile bootstrap interval over the rounds:
+    each `per_round` consecutive pairs come from one round.
 
     Pairing cancels what the blocks share (the machine's speed at the time); the geometric mean
-    treats a ratio and its inverse alike. The resampling is seeded: the same blocks give the
+    treats a ratio and its inverse alike. The round, not the block, is what repeats: the blocks
+    of one round share its builds (where the memory of each loop lies), which move a round's
+    ratios together by about 1% on a CPU. The resampling is seeded: the same blocks give the
     same interval.
     """
     logs = torch.tensor(
         [math.log(a / b) for a, b in zip(numerators, denominators, strict=True)],
         dtype=torch.float64,
     )
+    rounds = logs.view(-1, per_round).mean(dim=1)
     picks = torch.randint(
-        len(logs), (resamples, len(logs)), generator=torch.Generator().manual_seed(0)
+        len(rounds), (resamples, len(rounds)), generator=torch.Generator().manual_seed(0)
     )
     tail = (1 - confidence) / 2
     bounds = torch.tensor([tail, 1 - tail], dtype=torch.float64)
-    low, high = torch.quantile(logs[picks].mean(dim=1), bounds).exp().tolist()
-    return {"ratio": math.exp(logs.mean()), "low": low, "high": high}
+    low, high = torch.quantile(rounds[picks].mean(dim=1), bounds).exp().tolist()
+    return {"ratio": math.exp(rounds.mean()), "low": low, "high": high}
 
 
 def ratios(
-    blocks: dict[str, list[dict[str, float]]], numerator: str, denominator: str, confidence: float
+    blocks: dict[str, list[dict[str, float]]],
+    numerator: str,
+    denominator: str,
+    confidence: float,
+    per_round: int,
 ) -> dict[str, dict[str, float]]:
-    """`paired_ratio` of every figure of two loops' blocks."""
+    """`paired_ratio` of every figure of two loops' blocks, `per_round` blocks a round."""
     return {
         figure: paired_ratio(
             [block[figure] for block in blocks[numerator]],
             [block[figure] for block in blocks[denominator]],
             confidence,
+            per_round,
         )
         for figure in FIGURES
     }
@@ -537,7 +551,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="timed steps per block, the unit of the intervals (default: 10)",
     )
     parser.add_argument(
-        "--rounds", type=int, default=5, help="rounds of one run of each loop (default: 5)"
+        "--rounds", type=int, default=10, help="rounds of one run of each loop (default: 10)"
     )
     parser.add_argument(
         "--confidence", type=float, default=0.95, help="of the intervals (default: 0.95)"
@@ -572,8 +586,9 @@ def report(
     and the control's, with their intervals; the table printed on rank 0. `equal`: for the
     Trainer and the plain loop's second run, whether their weights were the plain loop's."""
     figures = {name: summary(loop_blocks) for name, loop_blocks in blocks.items()}
-    ratio = ratios(blocks, "trainer", "plain", args.confidence)
-    control = ratios(blocks, "plain_again", "plain", args.confidence)
+    per_round = args.steps // args.block_steps
+    ratio = ratios(blocks, "trainer", "plain", args.confidence, per_round)
+    control = ratios(blocks, "plain_again", "plain", args.confidence, per_round)
     percent = f"{args.confidence:.0%}"
     lines = [
         f"{args.rounds} rounds of {args.steps} timed steps per loop, taking turns, in blocks of "

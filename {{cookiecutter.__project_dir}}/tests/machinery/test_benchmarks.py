@@ -64,6 +64,17 @@ def test_overhead_trains_the_same_weights_with_the_trainer_and_the_plain_loop(
             assert interval["low"] <= interval["ratio"] <= interval["high"]
 
 
+def test_the_interval_is_over_rounds_whose_blocks_move_together() -> None:
+    """Four rounds of two blocks, each round's blocks alike: four repeats, not eight."""
+    overhead = load_benchmark("overhead")
+    blocks = [1.0, 1.0, 2.0, 2.0] * 2
+    by_round = overhead.paired_ratio(blocks, [1.0] * 8, confidence=0.95, per_round=2)
+    assert by_round == pytest.approx({"ratio": 2**0.5, "low": 1.0, "high": 2.0})
+    by_block = overhead.paired_ratio(blocks, [1.0] * 8, confidence=0.95)
+    assert by_block["ratio"] == pytest.approx(2**0.5)
+    assert by_block["low"] > 1.0 and by_block["high"] < 2.0
+
+
 def _turn_taker(name: str, steps: int, log: list[str]):
     """A loop for overhead.Turns: `steps` steps, each logging its name and drawing one random
     number from torch's global stream (as dropout does); returns its draws."""
