@@ -151,12 +151,14 @@ class StepClock:
         self.begin()
 
     def blocks(self, size: int) -> list[dict[str, float]]:
-        """The timed steps' figures in blocks of `size` consecutive steps (see FIGURES)."""
+        """The timed steps' figures in blocks of `size` consecutive steps (see FIGURES); steps
+        past the last whole block are left out."""
         first, last = self.window
         if len(self.steps) < last:
             raise RuntimeError(f"the clock saw {len(self.steps)} steps, fewer than {last}")
         timed = self.steps[first:last]
-        return [block_figures(timed[start : start + size]) for start in range(0, len(timed), size)]
+        starts = range(0, len(timed) - size + 1, size)
+        return [block_figures(timed[start : start + size]) for start in starts]
 
 
 def _now() -> tuple[float, float, float]:
@@ -220,7 +222,9 @@ class Turns:
 
         for name, clock in clocks.items():
             clock.after_step = partial(self._take_turn, name)
-        threads = [threading.Thread(target=play, args=(name,), name=name) for name in runners]
+        threads = [  # daemons: an interrupted run (Ctrl-C) does not wait for them
+            threading.Thread(target=play, args=(name,), name=name, daemon=True) for name in runners
+        ]
         for thread in threads:
             thread.start()
         with self._lock:

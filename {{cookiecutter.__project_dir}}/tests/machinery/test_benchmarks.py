@@ -128,7 +128,7 @@ def test_a_loop_that_fails_ends_the_turns_and_its_error_is_raised() -> None:
     assert len(log) < 5  # the other loop stopped at its next step
 
 
-def test_the_step_clock_times_each_step_from_its_turn_and_reports_blocks() -> None:
+def test_the_step_clock_times_each_step_from_its_turn_and_reports_whole_blocks() -> None:
     overhead = load_benchmark("overhead")
     clock = overhead.StepClock(torch.device("cpu"), warmup_steps=2, steps=4)
     for _ in range(7):
@@ -140,6 +140,7 @@ def test_the_step_clock_times_each_step_from_its_turn_and_reports_blocks() -> No
         {"median_step_s": 3.5, "mean_step_s": 3.5, "cpu_step_s": 1.75, "process_cpu_step_s": 0.875},
         {"median_step_s": 5.5, "mean_step_s": 5.5, "cpu_step_s": 2.75, "process_cpu_step_s": 1.375},
     ]
+    assert [block["mean_step_s"] for block in clock.blocks(3)] == [4.0]  # whole blocks only
 
 
 def test_the_overhead_ratio_of_paired_runs_has_an_interval_that_narrows_with_rounds() -> None:

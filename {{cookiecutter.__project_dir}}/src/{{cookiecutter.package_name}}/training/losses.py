@@ -111,12 +111,9 @@ class StepLoss:
         """What the next log line reports: the step's losses and components with their counts
         (a skipped step's are left out), under the update's `prefix` ("" for the one update
         of the whole model; `window_means`)."""
-        window.extend(f"{prefix}loss", self.values())
-        if not self.is_sum:  # each micro-batch's mean counts once
-            window.add(f"{prefix}count", len(self.losses))
-        for loss in self.losses:
-            if self.is_sum:
-                window.add(f"{prefix}count", loss.count)
+        for loss, value in zip(self.losses, self.values(), strict=True):
+            window.add(f"{prefix}loss", value)
+            window.add(f"{prefix}count", 1 if loss.count is None else loss.count)
             for name, value in loss.parts.items():
                 window.add(f"{prefix}part/{name}", value)
 
@@ -190,10 +187,6 @@ class WindowSums:
             self._tensors.setdefault(name, []).append(detached(value))
         else:
             self._numbers[name] = self._numbers.get(name, 0.0) + value
-
-    def extend(self, name: str, values: list[torch.Tensor]) -> None:
-        """`add` every tensor of `values` (detached already) to `name`."""
-        self._tensors.setdefault(name, []).extend(values)
 
     def totals(self, names: list[str]) -> torch.Tensor:
         """The sums of `names`, in that order, as one float64 tensor on the device."""

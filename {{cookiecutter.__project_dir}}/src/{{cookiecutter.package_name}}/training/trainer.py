@@ -44,7 +44,7 @@ from ..cluster.distributed import (
     wrap_ddp,
 )
 from ..config import BestConfig, Config, ConfigError
-from ..contract import TaskBase, adopt, check_datasets, defines
+from ..contract import TaskBase, adopt, check_datasets
 from ..faults.stopping import StopRequests
 from ..loading.data import build_eval_loader, build_train_loader, loader_workers, usable_cores
 from ..monitoring.logs import ProgressBar
@@ -306,10 +306,6 @@ class Trainer:
         self.ranges = StepRanges(self.config.profile, device)
         self.unit = self.task.throughput_unit
         self.units_per_micro_batch = self.micro_batch_size * self.task.units_per_sample
-        #: Whether the task counts each micro-batch's units (Task.units); if not, every step
-        #: counts the same, added once per step.
-        self.counts_units = defines(self.task, "units")
-        self.units_per_step = self.units_per_micro_batch * self.accumulation_steps
         flops = self.task.flops_per_sample(self.model)
         self.flops_per_step = None if flops is None else train.global_batch_size * flops
         precision = train.mixed_precision
@@ -411,8 +407,6 @@ class Trainer:
         where they are computed anyway (clipping on) or will be logged after this step.
         """
         self.stragglers.start_step(self.step + 1)
-        if not self.counts_units:
-            self.window.add("units", self.units_per_step)
         micro_batches = self._micro_batches(batches)
         steps = [self.optimizer_step(update, micro_batches) for update in self.updates]
         self.gradients_checked = True
@@ -491,9 +485,8 @@ class Trainer:
         with self.ranges("data wait"):
             batch = move_to_device(next(batches), self.device)
         self.meter.data_wait_s += time.perf_counter() - waiting
-        if self.counts_units:
-            units = self.task.units(batch)
-            self.window.add("units", self.units_per_micro_batch if units is None else units)
+        units = self.task.units(batch)
+        self.window.add("units", self.units_per_micro_batch if units is None else units)
         return batch
 
     def _check_gradients_once(self, update: Update) -> None:

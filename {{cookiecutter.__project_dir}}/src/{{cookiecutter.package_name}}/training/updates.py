@@ -12,7 +12,8 @@ wait for gradients that part never gets, or all-reduce gradients that are droppe
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from collections.abc import Iterable
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,9 +26,6 @@ from ..config import ConfigError
 from ..contract import TaskBase
 from .losses import StepLoss
 from .optimizer import AsBuilt
-
-#: The context of a micro-batch whose gradients DDP all-reduces: nothing to change.
-_REDUCE = nullcontext()
 
 
 @dataclass
@@ -125,12 +123,10 @@ class ModelParts:
         )
 
 
-def sync_context(update: Update, others: list[Update], last: bool) -> AbstractContextManager:
+def sync_context(update: Update, others: Iterable[Update], last: bool) -> AbstractContextManager:
     """The gradient reduction of one micro-batch of `update`: its own part is all-reduced on the
     step's last micro-batch only; the other parts never (their gradients are dropped). no_sync
     must cover forward AND backward: DDP prepares its gradient reduction in forward."""
-    if len(others) == 1:  # the whole model: the context of every micro-batch of every step
-        return _REDUCE if last or update.ddp is None else update.ddp.no_sync()
     stack = ExitStack()
     for other in others:
         if other is not update and other.ddp is not None:
