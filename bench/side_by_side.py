@@ -13,7 +13,7 @@ Two scenarios, each a list of loops that take turns one step at a time, `--round
   plain loop with an all-reduce after every micro-batch.
 
 Each scenario's figures hold every loop's medians over the blocks of `--block-steps` timed
-steps, and the ratios of `RATIOS` with their intervals over the blocks (overhead.py's `ratios`).
+steps, and the ratios of `RATIOS` with their intervals over the rounds (overhead.py's `ratios`).
 """
 
 from __future__ import annotations
