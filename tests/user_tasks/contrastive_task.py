@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as functional_collectives
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset, TensorDataset
@@ -66,14 +65,33 @@ def views(config: TaskConfig, num_samples: int, seed: int) -> TensorDataset:
     return TensorDataset(first, second)
 
 
+class GatherRows(torch.autograd.Function):
+    """Every rank's rows, in rank order, with autograd: the backward adds up every rank's
+    gradient of the gathered rows and gives each rank those of its own rows. Written with
+    torch.distributed's collectives, which wait for their result: torch's functional
+    collectives (`all_gather_single`) corrupt memory now and then on gloo in their backward."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor) -> torch.Tensor:
+        everyone = rows.new_empty((dist.get_world_size() * len(rows), *rows.shape[1:]))
+        dist.all_gather_into_tensor(everyone, rows.contiguous())
+        return everyone
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        total = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(total)
+        rows = len(total) // dist.get_world_size()
+        return total[dist.get_rank() * rows : (dist.get_rank() + 1) * rows]
+
+
 def gathered(embeddings: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Every rank's embeddings of the step, in rank order, and the row where this rank's
     begin. The gather carries autograd: the gradients of the rows of other ranks' losses go
     back to the rank that made them. On one rank, this rank's own."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return embeddings, 0
-    everyone = functional_collectives.all_gather_single(embeddings, 0, dist.group.WORLD)
-    return everyone, dist.get_rank() * len(embeddings)
+    return GatherRows.apply(embeddings), dist.get_rank() * len(embeddings)
 
 
 class Task(TaskBase):
