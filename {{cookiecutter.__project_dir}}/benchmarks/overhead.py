@@ -8,8 +8,9 @@ same order (the project's training loader, with the task's collate), with AdamW 
 parameter groups, the warmup-cosine schedule, clipping, micro-batches and `no_sync` accumulation
 as configured (`--config`, then `section.key=value` overrides), and the task's loss as it comes:
 a mean, or a sum normalised over the global batch's count. The plain loop is about forty lines:
-the step and nothing else, so settings it
-does not replicate are refused (`train.compile`, `dist.comm_hook`, `dist.broadcast_buffers`).
+the step and nothing else, in nanoGPT's shape (one autocast context, built once, around every
+forward), so settings it does not replicate are refused (`train.compile`, `dist.comm_hook`,
+`dist.broadcast_buffers`).
 The Trainer adds what users get from it: loss tracking, the stop protocol
 (`checkpoint.stop_on_signals`, on by default), and its periodic work. Logging, evaluation and
 checkpoints happen every N steps; their intervals are set beyond the timed steps here, since the
@@ -356,6 +357,8 @@ def run_plain(
     scheduler = LambdaLR(optimizer, schedule)
     dtype = AUTOCAST_DTYPES[train.mixed_precision]
     scaler = torch.amp.GradScaler(device.type, enabled=train.mixed_precision == "fp16")
+    # nanoGPT's mixed precision: one context, built once, entered around every forward.
+    autocast = nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
     model.train()
     for step in range(train.max_steps):
         if step % steps_per_epoch == 0:
@@ -366,7 +369,7 @@ def run_plain(
             batch = move_to_device(next(batches), device)
             sync = sync_every_micro_step or micro_step == accumulation - 1
             with nullcontext() if sync or model is task_model else model.no_sync():
-                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                with autocast:
                     loss = MicroLoss.of(task.training_loss(model, batch))
                 if loss.count is None:  # a mean: every micro-batch weighs the same
                     scaler.scale(loss.value / accumulation).backward()

@@ -17,6 +17,7 @@ from {{ cookiecutter.package_name }}.loading.data import usable_cores
 from {{ cookiecutter.package_name }}.monitoring.metrics import read_metrics
 from {{ cookiecutter.package_name }}.task import Task
 from {{ cookiecutter.package_name }}.train import main
+from {{ cookiecutter.package_name }}.training import trainer as trainer_module
 from {{ cookiecutter.package_name }}.training.trainer import batch_split
 
 from ..helpers import FAST, TRAINING_LOSS, first_part, make_trainer
@@ -80,6 +81,21 @@ def test_single_process_training_lowers_the_loss(tmp_path: Path, precision: str)
     assert losses[-1] < losses[0]
     assert (run_dir / "config.yaml").is_file()
     assert (run_dir / "train.log").is_file()
+
+
+def test_logs_evaluations_and_replica_checks_fall_on_their_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each every so many steps, on its own interval, and all of them at the last step."""
+    checked: list[int] = []
+    monkeypatch.setattr(trainer_module, "check_replicas", lambda _, step: checked.append(step))
+    run_dir = tmp_path / "run"
+    intervals = ["train.log_every=3", "train.eval_every=5", "dist.check_replicas_every=6"]
+    assert main([*FAST, f"run.dir={run_dir}", "train.max_steps=13", *intervals]) == 0
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records if TRAINING_LOSS in r] == [3, 6, 9, 12, 13]
+    assert [r["step"] for r in records if any(k.startswith("eval/") for k in r)] == [5, 10, 13]
+    assert checked == [6, 12, 13]
 
 
 def test_second_launch_with_the_same_command_resumes(tmp_path: Path) -> None:

@@ -390,19 +390,14 @@ _UNUSED_PARAMETERS_FIX = (
 )
 
 
-@contextmanager
-def unused_parameters_hint() -> Iterator[None]:
-    """DDP's error for a parameter that got no gradient in a step, with the setting that
-    allows it in front: DDP's own words do not name it."""
-    try:
-        yield
-    except RuntimeError as error:
-        if "find_unused_parameters" in str(error):
-            raise RuntimeError(
-                "some parameters got no gradient in a step, so DDP never finished reducing "
-                f"gradients. {_UNUSED_PARAMETERS_FIX} DDP's own message follows."
-            ) from error
-        raise
+def explain_unused_parameters(error: RuntimeError) -> None:
+    """Raise DDP's error for a parameter that got no gradient in a step with the setting that
+    allows it in front (DDP's own words do not name it); return on any other error."""
+    if "find_unused_parameters" in str(error):
+        raise RuntimeError(
+            "some parameters got no gradient in a step, so DDP never finished reducing "
+            f"gradients. {_UNUSED_PARAMETERS_FIX} DDP's own message follows."
+        ) from error
 
 
 def refuse_static_graph_with_accumulation(

@@ -15,7 +15,7 @@ import logging
 import socket
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import AbstractContextManager
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +37,10 @@ from ..cluster.distributed import (
     check_gradients_reduced,
     check_replicas,
     collectives_refused,
+    explain_unused_parameters,
     gather_objects,
     gather_rows,
     step_group,
-    unused_parameters_hint,
     wrap_ddp,
 )
 from ..config import BestConfig, Config, ConfigError
@@ -219,6 +219,13 @@ class Trainer:
         """Per update, the task's optimizer over its groups and its schedule (AdamW and
         warmup-cosine by default) and loss scaling; mixed precision and the moving average."""
         self.autocast_dtype = AUTOCAST_DTYPES[self.config.train.mixed_precision]
+        #: Mixed precision's context around every forward: built once (building one costs
+        #: more than a micro-batch's whole bookkeeping); nothing to enter in fp32.
+        self.autocast = (
+            nullcontext()
+            if self.autocast_dtype is None
+            else torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        )
         self.updates = [self._build_update(*part) for part in parts]
         #: What training_loss calls in a task with updates: the parts as DDP wraps them.
         self.parts = ModelParts(
@@ -393,11 +400,6 @@ class Trainer:
 
     # --- the step ---------------------------------------------------------------------------
 
-    def autocast(self) -> AbstractContextManager:
-        return torch.autocast(
-            self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
-        )
-
     def train_step(self, batches: Iterator[Any]) -> dict[str, torch.Tensor]:
         """One step: the optimizer step of each update, in order (one, for most tasks), over
         the same `accumulation_steps` micro-batches; then the moving average, the non-finite
@@ -408,25 +410,23 @@ class Trainer:
         """
         self.stragglers.start_step(self.step + 1)
         micro_batches = self._micro_batches(batches)
-        steps = [self.optimizer_step(update, micro_batches) for update in self.updates]
+        norms: dict[str, torch.Tensor] = {}
+        stepped: list[torch.Tensor | None] = []  # the norms of the updates that stepped
+        losses: list[torch.Tensor] = []
+        for update in self.updates:
+            norm, skipped = self.optimizer_step(update, micro_batches)
+            if norm is not None:
+                norms[f"{update.prefix}grad_norm"] = norm
+            if not skipped:
+                stepped.append(norm)
+                losses += update.loss.values()
         self.gradients_checked = True
-        norms = [norm for norm, skipped in steps if not skipped]
-        if self.ema is not None and norms:
+        if self.ema is not None and stepped:
             self.ema.update_parameters(self.model)
-        losses = [
-            value
-            for update, (_, skipped) in zip(self.updates, steps, strict=True)
-            if not skipped
-            for value in update.loss.values()
-        ]
-        self.guard.end_step(self.step + 1, losses, _one_norm(norms), skipped=not norms)
+        self.guard.end_step(self.step + 1, losses, _one_norm(stepped), skipped=not stepped)
         for update in self.updates:
             update.scheduler.step()
-        return {
-            f"{update.prefix}grad_norm": norm
-            for update, (norm, _) in zip(self.updates, steps, strict=True)
-            if norm is not None
-        }
+        return norms
 
     def optimizer_step(
         self, update: Update, micro_batches: Iterable[Any]
@@ -443,15 +443,18 @@ class Trainer:
         """
         losses = update.loss
         losses.start()
-        with unused_parameters_hint():
+        try:
             for micro_step, batch in enumerate(micro_batches):
                 last = micro_step == self.accumulation_steps - 1
                 with sync_context(update, self.updates, last):
-                    with self.autocast(), self.ranges("forward"):
+                    with self.autocast, self.ranges("forward"):
                         loss = losses.add(self._training_loss(update, batch), last)
                     reduces = last and update.ddp is not None
                     with self.ranges("backward"), self.stragglers.timed_backward(loss, reduces):
                         update.scaler.scale(loss).backward()
+        except RuntimeError as error:
+            explain_unused_parameters(error)
+            raise
         with self.ranges("optimizer"):
             update.scaler.unscale_(update.optimizer)  # the true gradients (fp16 scales the loss)
             losses.rescale_gradients(update.module)
@@ -764,7 +767,7 @@ class Trainer:
         model.eval()
         local: dict[str, torch.Tensor] = {}
         for batch in self.eval_loader:
-            with self.autocast(), collectives_refused("evaluation_sums"):
+            with self.autocast, collectives_refused("evaluation_sums"):
                 sums = self.task.evaluation_sums(model, move_to_device(batch, self.device))
             for key, value in sums.items():
                 parts = value if isinstance(value, tuple) else (value,)

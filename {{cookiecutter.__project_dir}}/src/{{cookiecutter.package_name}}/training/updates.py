@@ -12,8 +12,7 @@ wait for gradients that part never gets, or all-reduce gradients that are droppe
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +25,9 @@ from ..config import ConfigError
 from ..contract import TaskBase
 from .losses import StepLoss
 from .optimizer import AsBuilt
+
+#: The context of a micro-batch whose backward all-reduces as DDP does by default.
+_REDUCES = nullcontext()
 
 
 @dataclass
@@ -123,12 +125,15 @@ class ModelParts:
         )
 
 
-def sync_context(update: Update, others: Iterable[Update], last: bool) -> AbstractContextManager:
-    """The gradient reduction of one micro-batch of `update`: its own part is all-reduced on the
-    step's last micro-batch only; the other parts never (their gradients are dropped). no_sync
-    must cover forward AND backward: DDP prepares its gradient reduction in forward."""
+def sync_context(update: Update, updates: list[Update], last: bool) -> AbstractContextManager:
+    """The gradient reduction of one micro-batch of `update` (one of the step's `updates`): its
+    own part is all-reduced on the step's last micro-batch only; the other parts never (their
+    gradients are dropped). no_sync must cover forward AND backward: DDP prepares its gradient
+    reduction in forward."""
+    if len(updates) == 1:  # the whole model: no ExitStack, which costs more than no_sync itself
+        return _REDUCES if last or update.ddp is None else update.ddp.no_sync()
     stack = ExitStack()
-    for other in others:
+    for other in updates:
         if other is not update and other.ddp is not None:
             stack.enter_context(other.ddp.no_sync())
     if not last and update.ddp is not None:
