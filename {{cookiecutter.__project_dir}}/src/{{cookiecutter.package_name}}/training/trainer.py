@@ -219,8 +219,8 @@ class Trainer:
         """Per update, the task's optimizer over its groups and its schedule (AdamW and
         warmup-cosine by default) and loss scaling; mixed precision and the moving average."""
         self.autocast_dtype = AUTOCAST_DTYPES[self.config.train.mixed_precision]
-        #: Mixed precision's context around every forward: built once (building one costs
-        #: more than a micro-batch's whole bookkeeping); nothing to enter in fp32.
+        #: Mixed precision's context around every forward: built once (building a
+        #: torch.autocast costs more than entering it), not re-entrant; nothing in fp32.
         self.autocast = (
             nullcontext()
             if self.autocast_dtype is None
