@@ -40,7 +40,7 @@ def poison_the_next_micro_batch(losses):  # unannotated: a fault entry runs its 
     def poisoned(result, last):
         del losses.add  # once
         scaled = add(result, last)
-        losses.losses[-1].value = losses.losses[-1].value * float("nan")
+        losses.values[-1] = losses.values[-1] * float("nan")
         return scaled * float("nan")
 
     losses.add = poisoned

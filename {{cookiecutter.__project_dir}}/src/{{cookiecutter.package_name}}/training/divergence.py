@@ -15,7 +15,8 @@ every value is finite.
 A step only keeps its values aside (no device work: a handful of tiny operations per step
 would cost more than the rest of the trainer's bookkeeping together); they are checked all at
 once, in a few operations whatever their number, when the record is read, or once
-`PENDING_STEPS` steps are waiting.
+`PENDING_STEPS` steps are waiting. A step's loss is finite when each of its micro-batches'
+losses is.
 """
 
 from __future__ import annotations
@@ -53,12 +54,12 @@ class DivergenceGuard:
         # The first step seen non-finite, per field; inf: none so far.
         self._first = torch.full((len(self.FIELDS),), math.inf, dtype=torch.float64, device=device)
         # The values of consecutive steps from `_pending_from` on, not checked yet: every
-        # step's micro-batch losses, of the same dtypes in every step (`_dtypes`: each step's
-        # sum overflows as it would alone), and its gradient norm (or `_finite`).
+        # step's micro-batch losses (as many in every step: `_per_step`) and its gradient norm
+        # (or `_finite`).
         self._losses: list[torch.Tensor] = []
         self._norms: list[torch.Tensor] = []
         self._pending_from = 0
-        self._dtypes: list[torch.dtype] = []
+        self._per_step = 0
         self._finite = torch.zeros((), dtype=torch.float64, device=device)
 
     def end_step(
@@ -68,22 +69,22 @@ class DivergenceGuard:
         grad_norm: torch.Tensor | None,
         skipped: bool = False,
     ) -> None:
-        """Keep `step`'s values aside: its loss (the sum of its micro-batches' `losses`: finite
-        only if every term is) and gradient norm, when computed; a step skipped for its
+        """Keep `step`'s values aside: its micro-batches' `losses` (detached; the step's loss is
+        finite when each of them is) and gradient norm, when computed; a step skipped for its
         non-finite gradients (train.on_nonfinite=skip) is not recorded."""
         if skipped or not losses:
             return
         pending = len(self._norms)
-        dtypes = [loss.dtype for loss in losses]
         if pending and (
             step != self._pending_from + pending
-            or dtypes != self._dtypes
+            or len(losses) != self._per_step
             or pending >= self.PENDING_STEPS
         ):
             self._check_pending()
-        if not self._norms:
-            self._pending_from, self._dtypes = step, dtypes
-        self._losses.extend(map(detached, losses))
+            pending = 0
+        if not pending:
+            self._pending_from, self._per_step = step, len(losses)
+        self._losses += losses
         watched = grad_norm is not None and self.watch_gradients
         self._norms.append(detached(grad_norm) if watched else self._finite)
 
@@ -110,11 +111,11 @@ class DivergenceGuard:
         steps = len(self._norms)
         if not steps:
             return
-        losses = torch.stack(self._losses).view(steps, -1).sum(dim=1)
-        values = torch.stack([losses.double(), torch.stack(self._norms).double()], dim=1)
+        losses = torch.stack(self._losses).isfinite().view(steps, -1).all(dim=1)
+        finite = torch.stack([losses, torch.stack(self._norms).isfinite()], dim=1)
         first = self._pending_from
         numbers = torch.arange(first, first + steps, dtype=torch.float64, device=self.device)
-        marks = torch.where(values.isfinite(), math.inf, numbers[:, None])
+        marks = torch.where(finite, math.inf, numbers[:, None])
         torch.minimum(self._first[:2], marks.amin(dim=0), out=self._first[:2])
         self._losses, self._norms = [], []
 

@@ -59,23 +59,28 @@ class StepLoss:
         micro_batch_size: int,
         global_batch_size: int,
         device: torch.device,
+        prefix: str = "",
     ) -> None:
         self.accumulation_steps = accumulation_steps
         self.micro_batch_size = micro_batch_size
         self.global_batch_size = global_batch_size
         self.device = device
+        #: The names of its sums in the log line's window: "<prefix>loss", "<prefix>count" and
+        #: "<prefix>part/<component>" (`window_means`).
+        self._loss, self._counted, self._part = f"{prefix}loss", f"{prefix}count", f"{prefix}part/"
         #: Whether the task's losses are (sum, count) pairs; fixed by its first micro-batch.
         self.is_sum: bool | None = None
-        #: This step's micro-batch losses, as the task returned them.
-        self.losses: list[MicroLoss] = []
-        self._values: list[torch.Tensor] | None = None
+        #: This step's micro-batch losses, detached: what the log line's window and the
+        #: divergence guard keep past the step (the graph is freed with backward's locals).
+        self.values: list[torch.Tensor] = []
+        self._counts: list[torch.Tensor | int] = []
+        self._parts: list[dict[str, torch.Tensor]] = []
         self._count: torch.Tensor | None = None
         self._reducing: dist.Work | None = None
 
     def start(self) -> None:
-        """Forget the previous step's losses."""
-        self.losses = []
-        self._values = None
+        """Forget the previous step's losses (new lists: the window and the guard keep them)."""
+        self.values, self._counts, self._parts = [], [], []
         self._count = None
         self._reducing = None
 
@@ -83,18 +88,19 @@ class StepLoss:
         """What to backpropagate for a micro-batch's `training_loss`; on the step's `last`
         micro-batch, the sum of the step's counts over the ranks starts."""
         loss = self._same_form(MicroLoss.of(result))
-        self.losses.append(loss)
+        self.values.append(loss.value.detach())
+        if loss.parts:
+            self._parts.append(loss.parts)
         if loss.count is None:
-            scaled = loss.value / self.accumulation_steps
-        else:
-            count = self._device_count(loss.count)
-            self._count = count if self._count is None else self._count + count
-            scaled = loss.value / (self.micro_batch_size * self.accumulation_steps)
-        if last and self._count is not None and is_distributed():
+            return loss.value / self.accumulation_steps
+        self._counts.append(loss.count)
+        count = self._device_count(loss.count)
+        self._count = count if self._count is None else self._count + count
+        if last and is_distributed():
             self._reducing = dist.all_reduce(self._count, op=dist.ReduceOp.SUM, async_op=True)
-        return scaled
+        return loss.value / (self.micro_batch_size * self.accumulation_steps)
 
-    def rescale_gradients(self, model: torch.nn.Module) -> None:
+    def rescale_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
         """(sum, count) losses: the averaged gradients times global batch / global count, a
         device scalar (no wait for the device). Nothing to do for mean losses."""
         if self._count is None:
@@ -102,27 +108,23 @@ class StepLoss:
         if self._reducing is not None:
             self._reducing.wait()
         factor = self.global_batch_size / self._count.clamp(min=1)
-        grads = [param.grad for param in model.parameters() if param.grad is not None]
+        grads = [param.grad for param in parameters if param.grad is not None]
         for dtype in {grad.dtype for grad in grads}:
             same = [grad for grad in grads if grad.dtype == dtype]
             torch._foreach_mul_(same, factor.to(dtype))
 
-    def add_to(self, window: WindowSums, prefix: str = "") -> None:
+    def add_to(self, window: WindowSums) -> None:
         """What the next log line reports: the step's losses and components with their counts
-        (a skipped step's are left out), under the update's `prefix` ("" for the one update
-        of the whole model; `window_means`)."""
-        for loss, value in zip(self.losses, self.values(), strict=True):
-            window.add(f"{prefix}loss", value)
-            window.add(f"{prefix}count", 1 if loss.count is None else loss.count)
-            for name, value in loss.parts.items():
-                window.add(f"{prefix}part/{name}", value)
-
-    def values(self) -> list[torch.Tensor]:
-        """The step's micro-batch losses, detached from their graph once for the log line's
-        window and the divergence guard (each keeps them past the step)."""
-        if self._values is None:
-            self._values = [loss.value.detach() for loss in self.losses]
-        return self._values
+        (a skipped step's are left out; `window_means`)."""
+        window.extend(self._loss, self.values)
+        if self.is_sum:
+            for count in self._counts:
+                window.add(self._counted, count)
+        else:
+            window.add(self._counted, len(self.values))
+        for parts in self._parts:
+            for name, value in parts.items():
+                window.add(self._part + name, value)
 
     def _same_form(self, loss: MicroLoss) -> MicroLoss:
         """The task's loss keeps one form (mean, or sum and count) for the whole run."""
@@ -187,6 +189,10 @@ class WindowSums:
             self._tensors.setdefault(name, []).append(detached(value))
         else:
             self._numbers[name] = self._numbers.get(name, 0.0) + value
+
+    def extend(self, name: str, tensors: list[torch.Tensor]) -> None:
+        """Add `tensors`, detached already."""
+        self._tensors.setdefault(name, []).extend(tensors)
 
     def totals(self, names: list[str]) -> torch.Tensor:
         """The sums of `names`, in that order, as one float64 tensor on the device."""

@@ -56,7 +56,7 @@ from . import rng
 from .divergence import DivergenceGuard, SkipPolicy
 from .losses import StepLoss, WindowSums, window_means
 from .optimizer import as_built, build_optimizer, build_scheduler, own_options
-from .updates import ModelParts, Update, model_parts, sync_context
+from .updates import ModelParts, Update, log_prefix, model_parts, sync_context
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +248,7 @@ class Trainer:
         return Update(
             name=name,
             module=module,
+            parameters=list(module.parameters()),
             ddp=ddp,
             call=call,
             optimizer=optimizer,
@@ -257,7 +258,11 @@ class Trainer:
             own_group_options=own_options(groups),
             as_built=as_built(self.task, optimizer, scheduler),
             loss=StepLoss(
-                self.accumulation_steps, self.micro_batch_size, train.global_batch_size, self.device
+                self.accumulation_steps,
+                self.micro_batch_size,
+                train.global_batch_size,
+                self.device,
+                log_prefix(name),
             ),
         )
 
@@ -419,7 +424,7 @@ class Trainer:
                 norms[f"{update.prefix}grad_norm"] = norm
             if not skipped:
                 stepped.append(norm)
-                losses += update.loss.values()
+                losses += update.loss.values
         self.gradients_checked = True
         if self.ema is not None and stepped:
             self.ema.update_parameters(self.model)
@@ -447,24 +452,24 @@ class Trainer:
             for micro_step, batch in enumerate(micro_batches):
                 last = micro_step == self.accumulation_steps - 1
                 with sync_context(update, self.updates, last):
-                    with self.autocast, self.ranges("forward"):
+                    with self.autocast, self.ranges.forward:
                         loss = losses.add(self._training_loss(update, batch), last)
                     reduces = last and update.ddp is not None
-                    with self.ranges("backward"), self.stragglers.timed_backward(loss, reduces):
+                    with self.ranges.backward, self.stragglers.timed_backward(loss, reduces):
                         update.scaler.scale(loss).backward()
         except RuntimeError as error:
             explain_unused_parameters(error)
             raise
-        with self.ranges("optimizer"):
+        with self.ranges.optimizer:
             update.scaler.unscale_(update.optimizer)  # the true gradients (fp16 scales the loss)
-            losses.rescale_gradients(update.module)
+            losses.rescale_gradients(update.parameters)
             self._check_gradients_once(update)
-            grad_norm = self._clip_gradients(update.module)
+            grad_norm = self._clip_gradients(update.parameters)
             skip = self.skips.skips(self.step + 1, grad_norm, update.name)
             if not skip:
                 update.scaler.step(update.optimizer)  # with fp16, skipped on every rank on inf/nan
                 update.scaler.update()
-                losses.add_to(self.window, update.prefix)
+                losses.add_to(self.window)
             update.optimizer.zero_grad(set_to_none=True)
             if len(self.updates) > 1:
                 self.model.zero_grad(set_to_none=True)  # what this loss left in the other parts
@@ -485,7 +490,7 @@ class Trainer:
         """The next micro-batch on the device, its throughput units counted (task.units, or
         its samples); the wait for it is the log line's data wait."""
         waiting = time.perf_counter()
-        with self.ranges("data wait"):
+        with self.ranges.data_wait:
             batch = move_to_device(next(batches), self.device)
         self.meter.data_wait_s += time.perf_counter() - waiting
         units = self.task.units(batch)
@@ -499,13 +504,13 @@ class Trainer:
             ignored = getattr(update.ddp, "parameters_to_ignore", ())
             check_gradients_reduced(update.module, self.step + 1, self.device, ignored)
 
-    def _clip_gradients(self, module: torch.nn.Module) -> torch.Tensor | None:
-        """Clip the gradients of `module` to optim.grad_clip (the norm before clipping); else the
-        norm only when the skip policy or the next log line needs it."""
+    def _clip_gradients(self, parameters: list[torch.nn.Parameter]) -> torch.Tensor | None:
+        """Clip the gradients of `parameters` to optim.grad_clip (the norm before clipping); else
+        the norm only when the skip policy or the next log line needs it."""
         if self.config.optim.grad_clip > 0:
-            return torch.nn.utils.clip_grad_norm_(module.parameters(), self.config.optim.grad_clip)
+            return torch.nn.utils.clip_grad_norm_(parameters, self.config.optim.grad_clip)
         if self.skips.enabled or self._due(self.config.train.log_every, self.step + 1):
-            grads = [param.grad for param in module.parameters() if param.grad is not None]
+            grads = [param.grad for param in parameters if param.grad is not None]
             return torch.nn.utils.get_total_norm(grads)
         return None
 

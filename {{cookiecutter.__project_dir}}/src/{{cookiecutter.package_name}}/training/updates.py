@@ -38,6 +38,9 @@ class Update:
     name: str | None
     #: The parameters it trains: the model, or one of its parts.
     module: nn.Module
+    #: Its parameters, listed once: the step clips and rescales their gradients every step,
+    #: and `module.parameters()` walks every submodule each time.
+    parameters: list[nn.Parameter]
     #: The DDP wrapper of `module` (None on one rank).
     ddp: DistributedDataParallel | None
     #: What the loss calls: the wrapper (or the bare module), compiled with train.compile.
@@ -54,12 +57,17 @@ class Update:
 
     @property
     def prefix(self) -> str:
-        """What its log names start with: "" for the whole model, else "<name>/"."""
-        return "" if self.name is None else f"{self.name}/"
+        return log_prefix(self.name)
 
     def keyword(self) -> dict[str, str]:
         """The task hooks' `update=` argument: none for the whole model."""
         return {} if self.name is None else {"update": self.name}
+
+
+def log_prefix(name: str | None) -> str:
+    """What the log names of update `name` start with: "" for the whole model, else
+    "<name>/"."""
+    return "" if name is None else f"{name}/"
 
 
 def model_parts(task: TaskBase, model: nn.Module) -> list[tuple[str | None, nn.Module]]:
