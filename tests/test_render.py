@@ -86,7 +86,8 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
     tests["task"] += ["gpu", "gradients", "loss_normalisation", "object_store", "parent_death"]
     tests["task"] += ["ranks", "restart", "resume", "resume_checks", "sharding", "slow_rank"]
     tests["task"] += ["stop_signal", "timeouts", "trainer", "weights"]
-    tests["machinery"] += ["data", "distributed_env", "doctor", "flight_recorder", "gpu_check"]
+    tests["machinery"] += ["data", "distributed_env", "divergence_guard", "doctor"]
+    tests["machinery"] += ["flight_recorder", "gpu_check"]
     tests["machinery"] += ["launch", "network", "plot", "moved_modules", "run_lock", "storage"]
     tests["machinery"] += ["stragglers", "throughput"]
     for folder, names in tests.items():
