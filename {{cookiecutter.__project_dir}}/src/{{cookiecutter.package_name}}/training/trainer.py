@@ -44,7 +44,7 @@ from ..cluster.distributed import (
     wrap_ddp,
 )
 from ..config import BestConfig, Config, ConfigError
-from ..contract import TaskBase, adopt, check_datasets
+from ..contract import TaskBase, adopt, check_datasets, defines
 from ..faults.stopping import StopRequests
 from ..loading.data import build_eval_loader, build_train_loader, loader_workers, usable_cores
 from ..monitoring.logs import ProgressBar
@@ -318,6 +318,9 @@ class Trainer:
         self.ranges = StepRanges(self.config.profile, device)
         self.unit = self.task.throughput_unit
         self.units_per_micro_batch = self.micro_batch_size * self.task.units_per_sample
+        self.units_per_step = self.units_per_micro_batch * self.accumulation_steps
+        #: Whether the task counts the units of each batch itself (`Task.units`).
+        self.units_of_batches = defines(self.task, "units")
         flops = self.task.flops_per_sample(self.model)
         self.flops_per_step = None if flops is None else train.global_batch_size * flops
         precision = train.mixed_precision
@@ -482,20 +485,25 @@ class Trainer:
 
     def _micro_batches(self, batches: Iterator[Any]) -> Iterable[Any]:
         """The step's micro-batches: read as the one update trains on them, or at once when
-        several updates train on them."""
-        step = (self._next_batch(batches) for _ in range(self.accumulation_steps))
+        several updates train on them. Their throughput units are counted here once for the
+        step, unless the task counts each batch's (`Task.units`)."""
+        if not self.units_of_batches:
+            self.window.add("units", self.units_per_step)
+        step = self._read_micro_batches(batches)
         return step if len(self.updates) == 1 else list(step)
 
-    def _next_batch(self, batches: Iterator[Any]) -> Any:
-        """The next micro-batch on the device, its throughput units counted (task.units, or
-        its samples); the wait for it is the log line's data wait."""
-        waiting = time.perf_counter()
-        with self.ranges.data_wait:
-            batch = move_to_device(next(batches), self.device)
-        self.meter.data_wait_s += time.perf_counter() - waiting
-        units = self.task.units(batch)
-        self.window.add("units", self.units_per_micro_batch if units is None else units)
-        return batch
+    def _read_micro_batches(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """Each micro-batch of the step on the device, with its units when the task counts
+        them; the wait for each is the log line's data wait."""
+        for _ in range(self.accumulation_steps):
+            waiting = time.perf_counter()
+            with self.ranges.data_wait:
+                batch = move_to_device(next(batches), self.device)
+            self.meter.data_wait_s += time.perf_counter() - waiting
+            if self.units_of_batches:
+                units = self.task.units(batch)
+                self.window.add("units", self.units_per_micro_batch if units is None else units)
+            yield batch
 
     def _check_gradients_once(self, update: Update) -> None:
         """At the first step of a launch: did DDP all-reduce the gradients? A task whose loss
