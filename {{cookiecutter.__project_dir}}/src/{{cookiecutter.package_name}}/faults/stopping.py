@@ -77,6 +77,9 @@ class StopRequests:
         self.agreed = _NOTHING
         self._installed = False
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
+        #: Whether the ranks agree through a process group: set by `agreed_now`, which training
+        #: calls first, and not asked again at every step.
+        self._distributed = False
         self._interval = 1  # steps from one check to the next: the same on every rank
         self._steps = 0
         self._since = time.perf_counter()
@@ -157,7 +160,8 @@ class StopRequests:
         if not self.enabled:
             return False
         value = torch.tensor([self.received], dtype=torch.int32)
-        if is_distributed():
+        self._distributed = is_distributed()
+        if self._distributed:
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=step_group())
         self.agreed = int(value)
         self._since = self._last_step_end = time.perf_counter()
@@ -175,7 +179,7 @@ class StopRequests:
         self.longest_step_s = max(self.longest_step_s, now - self._last_step_end)
         self._last_step_end = now
         self.steps_taken += 1
-        if not is_distributed():
+        if not self._distributed:
             self.agreed = self.received
             return self.agreed != _NOTHING
         self._steps += 1

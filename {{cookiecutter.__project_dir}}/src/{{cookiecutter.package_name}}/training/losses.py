@@ -8,6 +8,7 @@ until the next log line, where the ranks' sums are gathered once.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -87,7 +88,9 @@ class StepLoss:
     def add(self, result: LossResult, last: bool) -> torch.Tensor:
         """What to backpropagate for a micro-batch's `training_loss`; on the step's `last`
         micro-batch, the sum of the step's counts over the ranks starts."""
-        loss = self._same_form(MicroLoss.of(result))
+        loss = MicroLoss.of(result)
+        if (loss.count is not None) is not self.is_sum:
+            self._first_form(loss)
         self.values.append(loss.value.detach())
         if loss.parts:
             self._parts.append(loss.parts)
@@ -126,17 +129,15 @@ class StepLoss:
             for name, value in parts.items():
                 window.add(self._part + name, value)
 
-    def _same_form(self, loss: MicroLoss) -> MicroLoss:
-        """The task's loss keeps one form (mean, or sum and count) for the whole run."""
-        is_sum = loss.count is not None
-        if self.is_sum is None:
-            self.is_sum = is_sum
-        elif is_sum != self.is_sum:
+    def _first_form(self, loss: MicroLoss) -> None:
+        """The first micro-batch's loss fixes its form (mean, or sum and count) for the whole
+        run; another form later is refused."""
+        if self.is_sum is not None:
             raise TypeError(
                 "training_loss returned a count for some micro-batches and not for others: "
                 "return (loss_sum, count) always, or a mean always"
             )
-        return loss
+        self.is_sum = loss.count is not None
 
     def _device_count(self, count: torch.Tensor | float) -> torch.Tensor:
         """A count as a float64 device scalar; a number is filled in on the device, since
@@ -180,19 +181,19 @@ class WindowSums:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._tensors: dict[str, list[torch.Tensor]] = {}
+        self._tensors: defaultdict[str, list[torch.Tensor]] = defaultdict(list)
         self._numbers: dict[str, float] = {}
         self._carried: dict[str, torch.Tensor] = {}
 
     def add(self, name: str, value: torch.Tensor | float) -> None:
         if isinstance(value, torch.Tensor):
-            self._tensors.setdefault(name, []).append(detached(value))
+            self._tensors[name].append(detached(value))
         else:
             self._numbers[name] = self._numbers.get(name, 0.0) + value
 
     def extend(self, name: str, tensors: list[torch.Tensor]) -> None:
         """Add `tensors`, detached already."""
-        self._tensors.setdefault(name, []).extend(tensors)
+        self._tensors[name].extend(tensors)
 
     def totals(self, names: list[str]) -> torch.Tensor:
         """The sums of `names`, in that order, as one float64 tensor on the device."""

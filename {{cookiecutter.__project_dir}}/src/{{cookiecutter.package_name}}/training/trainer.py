@@ -424,7 +424,7 @@ class Trainer:
         for update in self.updates:
             norm, skipped = self.optimizer_step(update, micro_batches)
             if norm is not None:
-                norms[f"{update.prefix}grad_norm"] = norm
+                norms[update.norm_name] = norm
             if not skipped:
                 stepped.append(norm)
                 losses += update.loss.values

@@ -13,7 +13,7 @@ wait for gradients that part never gets, or all-reduce gradients that are droppe
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -54,10 +54,14 @@ class Update:
     as_built: AsBuilt
     #: The scaling of its micro-batch losses (losses.py).
     loss: StepLoss
+    #: What its log names start with ("" for the whole model, else "<name>/"), and the name
+    #: of its gradient norm: made once, read every step.
+    prefix: str = field(init=False)
+    norm_name: str = field(init=False)
 
-    @property
-    def prefix(self) -> str:
-        return log_prefix(self.name)
+    def __post_init__(self) -> None:
+        self.prefix = log_prefix(self.name)
+        self.norm_name = f"{self.prefix}grad_norm"
 
     def keyword(self) -> dict[str, str]:
         """The task hooks' `update=` argument: none for the whole model."""
