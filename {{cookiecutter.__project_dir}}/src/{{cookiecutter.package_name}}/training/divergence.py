@@ -27,8 +27,6 @@ from collections.abc import Iterable
 
 import torch
 
-from .losses import detached
-
 log = logging.getLogger(__name__)
 
 #: The exit status of a run that stopped on non-finite values: not resumable as it is.
@@ -70,8 +68,9 @@ class DivergenceGuard:
         skipped: bool = False,
     ) -> None:
         """Keep `step`'s values aside: its micro-batches' `losses` (detached; the step's loss is
-        finite when each of them is) and gradient norm, when computed; a step skipped for its
-        non-finite gradients (train.on_nonfinite=skip) is not recorded."""
+        finite when each of them is) and gradient norm, when computed (clipping's, which has
+        no graph); a step skipped for its non-finite gradients (train.on_nonfinite=skip) is not
+        recorded."""
         if skipped or not losses:
             return
         pending = len(self._norms)
@@ -86,7 +85,7 @@ class DivergenceGuard:
             self._pending_from, self._per_step = step, len(losses)
         self._losses += losses
         watched = grad_norm is not None and self.watch_gradients
-        self._norms.append(detached(grad_norm) if watched else self._finite)
+        self._norms.append(grad_norm if watched else self._finite)
 
     def check_weights(self, step: int, modules: Iterable[torch.nn.Module]) -> None:
         """Record `step` if any parameter or buffer of `modules` is not finite (before a save:

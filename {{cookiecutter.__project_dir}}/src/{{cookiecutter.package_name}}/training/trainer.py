@@ -12,6 +12,7 @@ step's same micro-batches (updates.py). Saving, resuming and the export are the 
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import time
 from collections.abc import Iterable, Iterator
@@ -310,6 +311,14 @@ class Trainer:
         #: Whether this launch's first step found its gradients all-reduced (a task may skip DDP).
         self.gradients_checked = False
         self.best = BestCheckpoint(self.config.best)
+        #: What `_periodic` does falls on multiples of this, the intervals' greatest common
+        #: divisor (or on the last step): at the other steps it has nothing to ask.
+        self.periodic_every = math.gcd(
+            train.log_every,
+            train.eval_every,
+            self.config.checkpoint.every_steps,
+            self.config.dist.check_replicas_every,
+        )
         self.saved_step: int | None = None
         self.meter = StepMeter(device)
         self.stragglers = Stragglers(
@@ -635,6 +644,8 @@ class Trainer:
         config = self.config
         if self.background is not None:
             self.background.poll()
+        if self.step % self.periodic_every and self.step != self.total_steps:
+            return  # nothing below is due
         if config.dist.check_replicas_every and self._due(config.dist.check_replicas_every):
             check_replicas(self.model, self.step)
         if self._due(config.train.log_every):
