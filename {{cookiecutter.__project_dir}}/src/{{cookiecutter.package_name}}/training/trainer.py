@@ -220,6 +220,7 @@ class Trainer:
         """Per update, the task's optimizer over its groups and its schedule (AdamW and
         warmup-cosine by default) and loss scaling; mixed precision and the moving average."""
         self.autocast_dtype = AUTOCAST_DTYPES[self.config.train.mixed_precision]
+        self.grad_clip = self.config.optim.grad_clip
         #: Mixed precision's context around every forward: built once (building a
         #: torch.autocast costs more than entering it), not re-entrant; nothing in fp32.
         self.autocast = (
@@ -426,7 +427,9 @@ class Trainer:
         where they are computed anyway (clipping on) or will be logged after this step.
         """
         self.stragglers.start_step(self.step + 1)
-        micro_batches = self._micro_batches(batches)
+        micro_batches: Iterable[Any] = self._read_micro_batches(batches)
+        if len(self.updates) > 1:  # each update trains on the same micro-batches
+            micro_batches = list(micro_batches)
         norms: dict[str, torch.Tensor] = {}
         stepped: list[torch.Tensor | None] = []  # the norms of the updates that stepped
         losses: list[torch.Tensor] = []
@@ -492,18 +495,11 @@ class Trainer:
             return self.task.training_loss(update.call, batch)
         return self.task.training_loss(self.parts, batch, update=update.name)
 
-    def _micro_batches(self, batches: Iterator[Any]) -> Iterable[Any]:
-        """The step's micro-batches: read as the one update trains on them, or at once when
-        several updates train on them. Their throughput units are counted here once for the
-        step, unless the task counts each batch's (`Task.units`)."""
-        if not self.units_of_batches:
-            self.window.add("units", self.units_per_step)
-        step = self._read_micro_batches(batches)
-        return step if len(self.updates) == 1 else list(step)
-
     def _read_micro_batches(self, batches: Iterator[Any]) -> Iterator[Any]:
-        """Each micro-batch of the step on the device, with its units when the task counts
-        them; the wait for each is the log line's data wait."""
+        """Each micro-batch of the step on the device, read as the update trains on it; the
+        wait for each is the log line's data wait. Where the task counts each batch's
+        throughput units (`Task.units`), they are added to the log line's window here; else
+        the log line counts `units_per_sample` per sample of its steps."""
         for _ in range(self.accumulation_steps):
             waiting = time.perf_counter()
             with self.ranges.data_wait:
@@ -524,8 +520,8 @@ class Trainer:
     def _clip_gradients(self, parameters: list[torch.nn.Parameter]) -> torch.Tensor | None:
         """Clip the gradients of `parameters` to optim.grad_clip (the norm before clipping); else
         the norm only when the skip policy or the next log line needs it."""
-        if self.config.optim.grad_clip > 0:
-            return torch.nn.utils.clip_grad_norm_(parameters, self.config.optim.grad_clip)
+        if self.grad_clip > 0:
+            return torch.nn.utils.clip_grad_norm_(parameters, self.grad_clip)
         if self.skips.enabled or self._due(self.config.train.log_every, self.step + 1):
             grads = [param.grad for param in parameters if param.grad is not None]
             return torch.nn.utils.get_total_norm(grads)
@@ -591,8 +587,7 @@ class Trainer:
                 self.meter.steps += 1
                 profiler.step()
                 progress.update(self.step)
-                self._periodic(epoch, grad_norms)
-                if self.best.exhausted:
+                if self._periodic(epoch, grad_norms):
                     return self._stop_early()
                 if self.stop.agreed_after_step():
                     self._save_once()
@@ -639,13 +634,14 @@ class Trainer:
         )
         return self.stop.exit_status
 
-    def _periodic(self, epoch: int, grad_norms: dict[str, torch.Tensor]) -> None:
-        """What runs between steps on schedule. Every rank takes the same branches."""
+    def _periodic(self, epoch: int, grad_norms: dict[str, torch.Tensor]) -> bool:
+        """What runs between steps on schedule. Every rank takes the same branches. Returns
+        whether training stops early: best.patience evaluations without improvement."""
         config = self.config
         if self.background is not None:
             self.background.poll()
         if self.step % self.periodic_every and self.step != self.total_steps:
-            return  # nothing below is due
+            return False  # nothing below is due
         if config.dist.check_replicas_every and self._due(config.dist.check_replicas_every):
             check_replicas(self.model, self.step)
         if self._due(config.train.log_every):
@@ -660,6 +656,7 @@ class Trainer:
             new_best = self.best.update(self.step, record)
         if new_best or self._due(config.checkpoint.every_steps):
             self._save_once(scheduled=True)
+        return self.best.exhausted
 
     def _save_once(self, scheduled: bool = False) -> None:
         """Save this step, unless that is done (a stop or a new best at a scheduled save), once
@@ -723,12 +720,17 @@ class Trainer:
         straggling = rows[:, len(names) + len(timing) : len(names) + len(local)]
         guard_rows = rows[:, len(names) + len(local) :]
         totals = dict(zip(names, rows[:, : len(names)].sum(dim=0).tolist(), strict=True))
-        self.total_units += totals["units"]
+        units = (
+            totals["units"]
+            if self.units_of_batches
+            else self.env.world_size * window.steps * self.units_per_step
+        )
+        self.total_units += units
         figures = window_figures(
             timings,
             window.steps,
             self.unit,
-            totals["units"],
+            units,
             self.flops_per_step,
             self.peak_flops,
         )
