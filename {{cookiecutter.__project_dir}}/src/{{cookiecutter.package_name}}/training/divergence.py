@@ -68,9 +68,9 @@ class DivergenceGuard:
         skipped: bool = False,
     ) -> None:
         """Keep `step`'s values aside: its micro-batches' `losses` (detached; the step's loss is
-        finite when each of them is) and gradient norm, when computed (clipping's, which has
-        no graph); a step skipped for its non-finite gradients (train.on_nonfinite=skip) is not
-        recorded."""
+        finite when each of them is) and gradient norm, when computed (without a graph, as
+        clip_grad_norm_ computes it); a step skipped for its non-finite gradients
+        (train.on_nonfinite=skip) is not recorded."""
         if skipped or not losses:
             return
         pending = len(self._norms)

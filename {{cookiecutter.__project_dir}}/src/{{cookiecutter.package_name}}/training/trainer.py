@@ -220,6 +220,7 @@ class Trainer:
         """Per update, the task's optimizer over its groups and its schedule (AdamW and
         warmup-cosine by default) and loss scaling; mixed precision and the moving average."""
         self.autocast_dtype = AUTOCAST_DTYPES[self.config.train.mixed_precision]
+        #: optim.grad_clip, read at every step.
         self.grad_clip = self.config.optim.grad_clip
         #: Mixed precision's context around every forward: built once (building a
         #: torch.autocast costs more than entering it), not re-entrant; nothing in fp32.
