@@ -329,7 +329,7 @@ class Trainer:
         self.ranges = StepRanges(self.config.profile, device)
         self.unit = self.task.throughput_unit
         self.units_per_micro_batch = self.micro_batch_size * self.task.units_per_sample
-        self.units_per_step = self.units_per_micro_batch * self.accumulation_steps
+        self.units_per_step = train.global_batch_size * self.task.units_per_sample
         #: Whether the task counts the units of each batch itself (`Task.units`).
         self.units_of_batches = defines(self.task, "units")
         flops = self.task.flops_per_sample(self.model)
@@ -721,11 +721,7 @@ class Trainer:
         straggling = rows[:, len(names) + len(timing) : len(names) + len(local)]
         guard_rows = rows[:, len(names) + len(local) :]
         totals = dict(zip(names, rows[:, : len(names)].sum(dim=0).tolist(), strict=True))
-        units = (
-            totals["units"]
-            if self.units_of_batches
-            else self.env.world_size * window.steps * self.units_per_step
-        )
+        units = totals["units"] if self.units_of_batches else window.steps * self.units_per_step
         self.total_units += units
         figures = window_figures(
             timings,
