@@ -9,6 +9,7 @@ import shutil
 import threading
 import warnings
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from {{ cookiecutter.package_name }}.cluster.distributed import (
     collectives_refused,
 )
 from {{ cookiecutter.package_name }}.config import Config, ConfigError, load_config, to_yaml
-from {{ cookiecutter.package_name }}.contract import adopt
+from {{ cookiecutter.package_name }}.contract import FactorLR, adopt, warmup_cosine
 from {{ cookiecutter.package_name }}.monitoring.metrics import read_metrics
 from {{ cookiecutter.package_name }}.training.trainer import Trainer
 
@@ -317,6 +318,49 @@ def test_a_schedule_of_schedules_resumes_bitwise(tmp_path: Path) -> None:
 
     straight, resumed = _straight_and_resumed(tmp_path, WarmupThenCosine)
     _assert_bitwise(_state(straight), _state(resumed))
+
+
+def _two_groups(lr: float | torch.Tensor = 0.003) -> torch.optim.Optimizer:
+    weight, bias = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.zeros(3))
+    return torch.optim.SGD([{"params": [weight]}, {"params": [bias], "lr": 0.7}], lr=lr)
+
+
+def test_factor_lr_sets_lambda_lr_s_rates_bitwise_and_keeps_its_state() -> None:
+    """The default schedule's class steps past its warmup and its end as torch's LambdaLR
+    does; a LambdaLR's state loads into it and continues alike."""
+    factor = partial(warmup_cosine, warmup_steps=3, total_steps=20, min_lr_ratio=0.1)
+    torch_optimizer, our_optimizer = _two_groups(), _two_groups()
+    torch_schedule = torch.optim.lr_scheduler.LambdaLR(torch_optimizer, factor)
+    ours = FactorLR(our_optimizer, factor)
+    for step in range(25):
+        assert [g["lr"] for g in our_optimizer.param_groups] == [
+            g["lr"] for g in torch_optimizer.param_groups
+        ], f"step {step}"
+        assert ours.get_last_lr() == torch_schedule.get_last_lr()
+        assert ours.state_dict() == torch_schedule.state_dict()
+        if step == 10:  # a checkpoint of torch's schedule, loaded into ours
+            ours = FactorLR(_two_groups(), factor)
+            ours.optimizer.load_state_dict(torch_optimizer.state_dict())
+            ours.load_state_dict(torch_schedule.state_dict())
+            our_optimizer = ours.optimizer
+        torch_optimizer.step(), our_optimizer.step()
+        torch_schedule.step(), ours.step()
+
+
+def test_factor_lr_keeps_a_tensor_learning_rate_in_place() -> None:
+    """A tensor lr (captured in a CUDA graph) is filled, never replaced, as torch does."""
+    factor = partial(warmup_cosine, warmup_steps=2, total_steps=6, min_lr_ratio=0.0)
+    optimizer = _two_groups(lr=torch.tensor(0.003))
+    rate = optimizer.param_groups[0]["lr"]
+    reference = torch.optim.lr_scheduler.LambdaLR(_two_groups(lr=torch.tensor(0.003)), factor)
+    schedule = FactorLR(optimizer, factor)
+    for _ in range(4):
+        optimizer.step(), reference.optimizer.step()
+        schedule.step(), reference.step()
+    assert optimizer.param_groups[0]["lr"] is rate
+    assert torch.equal(rate, reference.optimizer.param_groups[0]["lr"])
+    assert schedule.get_last_lr()[0] is not rate
+    assert torch.equal(schedule.get_last_lr()[0], reference.get_last_lr()[0])
 
 
 def test_a_group_option_the_optimizer_does_not_take_is_refused_by_name(tmp_path: Path) -> None:

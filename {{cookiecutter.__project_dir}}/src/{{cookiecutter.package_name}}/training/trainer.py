@@ -479,7 +479,8 @@ class Trainer:
         with self.ranges.optimizer:
             update.scaler.unscale_(update.optimizer)  # the true gradients (fp16 scales the loss)
             losses.rescale_gradients(update.parameters)
-            self._check_gradients_once(update)
+            if not self.gradients_checked:  # the launch's first step
+                self._check_gradients_reduced(update)
             grad_norm = self._clip_gradients(update.parameters)
             skip = self.skips.skips(self.step + 1, grad_norm, update.name)
             if not skip:
@@ -511,10 +512,10 @@ class Trainer:
                 self.window.add("units", self.units_per_micro_batch if units is None else units)
             yield batch
 
-    def _check_gradients_once(self, update: Update) -> None:
+    def _check_gradients_reduced(self, update: Update) -> None:
         """At the first step of a launch: did DDP all-reduce the gradients? A task whose loss
         skips DDP's forward would train every rank alone."""
-        if not self.gradients_checked and update.ddp is not None:
+        if update.ddp is not None:
             ignored = getattr(update.ddp, "parameters_to_ignore", ())
             check_gradients_reduced(update.module, self.step + 1, self.device, ignored)
 
