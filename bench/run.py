@@ -98,15 +98,19 @@ def step_times(project: Path, args: argparse.Namespace) -> dict:
     return json.loads(result.read_text())
 
 
+#: Tries of a launch to first step: Lightning's processes sometimes abort as they exit under
+#: gloo ("terminate called without an active exception"), after a sound first step.
+LAUNCH_TRIES = 3
+
+
 def first_step_s(kind: str, project: Path, attempt: int) -> float:
-    """Seconds from starting torchrun to the end of the first optimizer step on rank 0.
+    """Seconds from starting torchrun to the end of the first optimizer step on rank 0, of the
+    first of `LAUNCH_TRIES` launches that exits 0.
 
     The project's entry point logs step 1 to metrics.jsonl (train.log_every=1) once the step is
     done; Lightning's loop writes a file then. Both are polled from here.
     """
     work = OUT / "launches" / f"{kind}-{attempt}"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
     config = project / "configs" / "default.yaml"
     if kind == "trainer":
         marker, sign = work / "run" / "metrics.jsonl", "train/loss"
@@ -116,16 +120,22 @@ def first_step_s(kind: str, project: Path, attempt: int) -> float:
         marker, sign = work / "first_step", ""
         args = [str(BENCH / "lightning_loop.py"), f"--config={config}"]
         args += [f"--first-step-file={marker}", *CONDITIONS]
-    started = time.perf_counter()
-    process = torchrun(args, project, work / "launch.log")
-    done = None
-    while done is None and process.poll() is None:
-        if marker.exists() and sign in marker.read_text() and marker.stat().st_size > 0:
-            done = time.perf_counter()
-        time.sleep(0.005)
-    if process.wait() != 0 or done is None:
-        raise SystemExit(f"{kind} launch failed:\n{(work / 'launch.log').read_text()[-4000:]}")
-    return done - started
+    for _ in range(LAUNCH_TRIES):
+        shutil.rmtree(work, ignore_errors=True)  # a new run each time, never a resume
+        work.mkdir(parents=True)
+        started = time.perf_counter()
+        process = torchrun(args, project, work / "launch.log")
+        done = None
+        while done is None and process.poll() is None:
+            if marker.exists() and sign in marker.read_text() and marker.stat().st_size > 0:
+                done = time.perf_counter()
+            time.sleep(0.005)
+        if process.wait() == 0 and done is not None:
+            return done - started
+    raise SystemExit(
+        f"{kind} launch failed {LAUNCH_TRIES} times; the last:\n"
+        f"{(work / 'launch.log').read_text()[-4000:]}"
+    )
 
 
 def loss_forms(args: argparse.Namespace) -> dict:
@@ -245,12 +255,12 @@ def loop_table(results: dict, labels: dict[str, str]) -> list[str]:
     return rows
 
 
-def ratio_row(label: str, ratios: dict, goal: str = "") -> str:
-    """A ratio of each figure with its interval (side_by_side.py); `goal` like '<= 1.01' is
-    judged on the CPU time of the process: met, or not met, when the whole interval says so,
-    else unresolved (the interval straddles the goal)."""
+def ratio_row(label: str, ratios: dict, goal: str = "", control: dict | None = None) -> str:
+    """A ratio of each figure with its interval (side_by_side.py), and `goal` (like '<= 1.01')
+    judged by `goal_verdict` against the run's `control`."""
     shown = " | ".join(interval(ratios[figure]) for figure in RATIO_FIGURES)
-    return f"| {label} | {shown} | {goal} | {verdict(ratios[GOAL_FIGURE], goal)} |"
+    judged = goal_verdict(ratios, goal, control) if goal and control else ""
+    return f"| {label} | {shown} | {goal} | {judged} |"
 
 
 def interval(ratio: dict) -> str:
@@ -269,11 +279,26 @@ def verdict(ratio: dict, goal: str) -> str:
     return "met" if met <= limit else "**not met**" if failed > limit else "unresolved"
 
 
+def goal_verdict(ratios: dict, goal: str, control: dict) -> str:
+    """`goal` judged on the CPU time of the loop's thread, the figure that resolves a 1%
+    difference on a shared CPU (its control's interval is about 1 point wide, the process's
+    about 4): met when its whole interval says so and the process's CPU time does not say
+    otherwise, since work moved to another thread shows there only; not met when either
+    figure's whole interval says so; else unresolved. Unresolved too in a run whose `control`
+    (a loop against itself) lies apart from 1 in the CPU time of the thread: there, chance
+    alone moved a ratio by more than its interval says."""
+    thread = control["cpu_step_s"]
+    if not thread["low"] <= 1 <= thread["high"]:
+        return "unresolved (the control lies apart from 1)"
+    judged = verdict(ratios["cpu_step_s"], goal)
+    if "**not met**" in (judged, verdict(ratios["process_cpu_step_s"], goal)):
+        return "**not met**"
+    return judged
+
+
 #: The figures of a loop table (overhead.py's FIGURES), and those whose ratios are shown.
 FIGURES = ("median_step_s", "mean_step_s", "cpu_step_s", "process_cpu_step_s")
 RATIO_FIGURES = ("median_step_s", "cpu_step_s", "process_cpu_step_s")
-#: The figure a goal is judged on: the loops' own work, which a busy machine disturbs least.
-GOAL_FIGURE = "process_cpu_step_s"
 RATIO_HEADER = [
     "| ratio [95% interval] | wall median | CPU thread | CPU process | goal | |",
     "| --- | ---: | ---: | ---: | --- | --- |",
@@ -285,6 +310,7 @@ def document(figures: dict, previous: str) -> str:
     it replaces)."""
     default, accumulation = figures["steps"]["default"], figures["steps"]["accumulation_4"]
     machine, args = figures["machine"], figures["args"]
+    control = default["ratios"]["plain_again/plain"]
     lines = [
         "# Benchmarks",
         "",
@@ -321,8 +347,11 @@ def document(figures: dict, previous: str) -> str:
         "  loops, with its 95% bootstrap interval over the rounds (the blocks of a round share",
         "  its builds, which move them together by about 1%). The plain loop against itself",
         "  is the control: its interval is what chance alone gives on this machine, the",
-        "  resolution of the others. A goal is judged on the CPU time of the process, as met or",
-        "  not met when the whole interval says so, else unresolved.",
+        "  resolution of the others. A goal is judged on the CPU time of the loop's thread, the",
+        "  figure that resolves a point here: met when its whole interval says so and the CPU",
+        "  time of the process does not say otherwise (work moved to another thread shows only",
+        "  there), not met when either figure's whole interval says so, else unresolved; and",
+        "  unresolved in a run whose control lies apart from 1 in the thread's CPU time.",
         "- On a machine that other programs load beyond its cores, the wall-clock figures",
         "  measure the scheduler more than the loops; the CPU times still compare the loops.",
         "",
@@ -342,9 +371,9 @@ def document(figures: dict, previous: str) -> str:
         ),
         "",
         *RATIO_HEADER,
-        ratio_row("Trainer / plain loop", default["ratios"]["trainer/plain"], "<= 1.01"),
-        ratio_row("Lightning / Trainer", default["ratios"]["lightning/trainer"], ">= 1.3"),
-        ratio_row("plain loop again / plain loop", default["ratios"]["plain_again/plain"]),
+        ratio_row("Trainer / plain loop", default["ratios"]["trainer/plain"], "<= 1.01", control),
+        ratio_row("Lightning / Trainer", default["ratios"]["lightning/trainer"], ">= 1.3", control),
+        ratio_row("plain loop again / plain loop", control),
         "",
         "The last row compares a loop with itself: how far from 1 chance alone takes a ratio",
         "on this machine under this load. A ratio whose interval is about as wide cannot be",
@@ -562,7 +591,7 @@ def scale_sections(shards: dict, stall: dict) -> list[str]:
     ]
 
 
-#: The straggler section's figures (stragglers.py), and the one its goal is judged on.
+#: The straggler section's figures (stragglers.py).
 STRAGGLER_FIGURES = {
     "cpu_step_s": "CPU thread",
     "process_cpu_step_s": "CPU process",
@@ -581,7 +610,7 @@ def straggler_section(figures: dict | None) -> list[str]:
         f"{interval(figures['ratios'][key])} | {interval(figures['control'][key])} |"
         for key, label in STRAGGLER_FIGURES.items()
     ]
-    goal = figures["ratios"]["process_cpu_step_s"]
+    judged = goal_verdict(figures["ratios"], STRAGGLER_GOAL, figures["control"])
     return [
         "## Straggler figures: what they cost a step",
         "",
@@ -602,8 +631,7 @@ def straggler_section(figures: dict | None) -> list[str]:
         "| --- | ---: | ---: | ---: | ---: |",
         *rows,
         "",
-        f"Goal {STRAGGLER_GOAL} on the CPU time of the process: {verdict(goal, STRAGGLER_GOAL)}. "
-        "Once per log line,",
+        f"Goal {STRAGGLER_GOAL}, judged as above: {judged}. Once per log line,",
         f"this rank's row and the verdict on {figures['world_size']} ranks' figures take "
         f"{figures['log_line_s'] * 1e6:.0f} us.",
         "",
