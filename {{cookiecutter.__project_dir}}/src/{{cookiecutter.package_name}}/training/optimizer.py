@@ -90,6 +90,19 @@ def build_optimizer(
     return optimizer
 
 
+def clear_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """`optimizer.zero_grad(set_to_none=True)`, as nanoGPT calls it after every step, without
+    torch's generic path around it (a dynamo guard, a profiler range, its foreach set-up),
+    which costs about 1% of a small model's step on a CPU. An optimizer with a `zero_grad` of
+    its own gets it called."""
+    if getattr(optimizer.zero_grad, "__func__", None) is not torch.optim.Optimizer.zero_grad:
+        optimizer.zero_grad(set_to_none=True)
+        return
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            parameter.grad = None
+
+
 def build_scheduler(
     task: TaskBase,
     optimizer: torch.optim.Optimizer,

@@ -56,7 +56,7 @@ from ..monitoring.throughput import StepMeter, describe, peak_flops, window_figu
 from . import rng
 from .divergence import DivergenceGuard, SkipPolicy
 from .losses import StepLoss, WindowSums, window_means
-from .optimizer import as_built, build_optimizer, build_scheduler, own_options
+from .optimizer import as_built, build_optimizer, build_scheduler, clear_gradients, own_options
 from .updates import ModelParts, Update, log_prefix, model_parts, sync_context
 
 log = logging.getLogger(__name__)
@@ -487,7 +487,7 @@ class Trainer:
                 update.scaler.step(update.optimizer)  # with fp16, skipped on every rank on inf/nan
                 update.scaler.update()
                 losses.add_to(self.window)
-            update.optimizer.zero_grad(set_to_none=True)
+            clear_gradients(update.optimizer)
             if len(self.updates) > 1:
                 self.model.zero_grad(set_to_none=True)  # what this loss left in the other parts
         return grad_norm, skip
