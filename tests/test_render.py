@@ -89,7 +89,7 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
     tests["machinery"] += ["data", "distributed_env", "divergence_guard", "doctor"]
     tests["machinery"] += ["flight_recorder", "gpu_check"]
     tests["machinery"] += ["launch", "network", "plot", "moved_modules", "run_lock", "storage"]
-    tests["machinery"] += ["stragglers", "throughput"]
+    tests["machinery"] += ["optimizer", "stragglers", "throughput"]
     for folder, names in tests.items():
         files.add(f"tests/{folder}/__init__.py")
         files |= {f"tests/{folder}/test_{name}.py" for name in names}
