@@ -191,9 +191,9 @@ class TaskBase:
 
         A factor per step is `FactorLR(optimizer, lambda step: ...)` (torch's LambdaLR, stepped
         for less; a LambdaLR works too), which a resume re-shapes from the current settings as
-        it does the default. Any other torch LRScheduler resumes
-        from its saved state; a change of its shape at resume is refused by name. In a task
-        with `updates`, it is called once per update, with `update=` its name.
+        it does the default. Any other torch LRScheduler resumes from its saved state; a change
+        of its shape at resume is refused by name. In a task with `updates`, it is called once
+        per update, with `update=` its name.
         """
         return FactorLR(
             optimizer,
