@@ -223,6 +223,26 @@ def test_checking_every_few_seconds_still_stops_every_rank_at_one_step(tmp_path:
         assert result["newest_checkpoint"] == f"step_{result['stopped_at']:08d}"
 
 
+def _agree_without_a_first_agreement(rank: int, world_size: int) -> int | None:
+    stop = StopRequests(check_s=0)
+    if rank == 1:
+        stop.note(signal.SIGTERM, 1000.0)
+    for step in range(1, 6):
+        if stop.agreed_after_step():
+            return step
+    return None
+
+
+def test_a_loop_that_never_agreed_before_its_first_step_still_stops_every_rank_together(
+    tmp_path: Path,
+) -> None:
+    """A loop of a user's own may call only agreed_after_step: the ranks still find each other
+    and stop at one step, though only rank 1 was signalled."""
+    stopped_at = spawn(2, _agree_without_a_first_agreement, workdir=tmp_path)
+    assert stopped_at[0] is not None
+    assert stopped_at == [stopped_at[0]] * 2
+
+
 def test_a_single_process_stops_right_after_the_step_it_was_signalled_in(tmp_path: Path) -> None:
     trainer = make_trainer(load_config(None, _overrides(tmp_path)))
     _arrange_signal(trainer, signal.SIGTERM, "step", 3)

@@ -77,9 +77,9 @@ class StopRequests:
         self.agreed = _NOTHING
         self._installed = False
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
-        #: Whether the ranks agree through a process group: set by `agreed_now`, which training
-        #: calls first, and not asked again at every step.
-        self._distributed = False
+        #: Whether the ranks agree through a process group: learnt once, by `agreed_now` (which
+        #: training calls first) or else at the first step, not asked again at every step.
+        self._distributed: bool | None = None
         self._interval = 1  # steps from one check to the next: the same on every rank
         self._steps = 0
         self._since = time.perf_counter()
@@ -179,6 +179,8 @@ class StopRequests:
         self.longest_step_s = max(self.longest_step_s, now - self._last_step_end)
         self._last_step_end = now
         self.steps_taken += 1
+        if self._distributed is None:  # a loop that did not agree before its first step
+            self._distributed = is_distributed()
         if not self._distributed:
             self.agreed = self.received
             return self.agreed != _NOTHING
