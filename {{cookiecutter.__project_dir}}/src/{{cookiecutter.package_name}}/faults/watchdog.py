@@ -85,7 +85,13 @@ _COLLECTIVE_FAILURES = ("Timed out", "timed out", "Connection closed by peer", "
 # The address of the peer a gloo error names: "[10.0.0.2]:41234".
 _PEER_ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+")
 
-_wakeup_writer: socket.socket | None = None
+#: The longest wait for a signal watch's thread once its block is left: it may be running its
+#: callback (startup_bounded's waits STARTUP_STOP_GRACE_S at most).
+WATCH_END_S = STARTUP_STOP_GRACE_S + 1.0
+
+#: Both sockets of every signal watch open in this process. A forked child (a loader worker)
+#: closes its copies at once: they are this process's, not the child's.
+_watch_sockets: list[socket.socket] = []
 
 
 def stacks_file(run_dir: Path, rank: int) -> Path:
@@ -158,7 +164,6 @@ def stop_signals_watched(on_signal: Callable[[int], None], enabled: bool = True)
     """Inside the block, a thread calls `on_signal(signum)` at the first stop signal, whatever
     the main thread is doing: the signal's number reaches it through signal.set_wakeup_fd, even
     while the main thread waits in C code where no Python handler runs."""
-    global _wakeup_writer
     if not enabled:
         yield
         return
@@ -173,17 +178,20 @@ def stop_signals_watched(on_signal: Callable[[int], None], enabled: bool = True)
                 return
 
     previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-    _wakeup_writer = writer
+    _watch_sockets.extend((reader, writer))
     watcher = threading.Thread(target=watch, name="stop-signal-watch", daemon=True)
     watcher.start()
     try:
         yield
     finally:
         signal.set_wakeup_fd(previous_fd)
-        _wakeup_writer = None
-        writer.close()
-        watcher.join()
-        reader.close()
+        # Ends the watch's recv at once: closing the writer would not while a copy of it is
+        # open elsewhere (a child forked without the at-fork hook below).
+        reader.shutdown(socket.SHUT_RDWR)
+        watcher.join(WATCH_END_S)
+        for end in (reader, writer):
+            _watch_sockets.remove(end)
+            end.close()
 
 
 @contextmanager
@@ -249,14 +257,19 @@ def startup_bounded(stop: StopRequests, env: DistEnv, timeout_s: float) -> Itera
         timer.cancel()
 
 
-def _forget_wakeup_fd() -> None:
-    """In a forked child (a DataLoader worker): its signals are not this process's stop."""
-    if _wakeup_writer is not None:
-        with suppress(ValueError):  # forked from another thread: nothing to undo
-            signal.set_wakeup_fd(-1)
+def _close_watches_in_child() -> None:
+    """In a forked child (a loader worker): this process's signal watches are not the child's.
+    Its signals stop writing to their socket, and its copies of their sockets are closed."""
+    if not _watch_sockets:
+        return
+    with suppress(ValueError):  # forked from another thread: nothing to undo
+        signal.set_wakeup_fd(-1)
+    for end in _watch_sockets:
+        end.close()
+    _watch_sockets.clear()
 
 
-os.register_at_fork(after_in_child=_forget_wakeup_fd)
+os.register_at_fork(after_in_child=_close_watches_in_child)
 
 
 @contextmanager
