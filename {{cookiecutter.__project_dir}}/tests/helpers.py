@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -15,6 +16,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy
 import pytest
 import torch
 import torch.distributed as dist
@@ -361,6 +363,35 @@ def with_samples(
 
     WithSamples.__name__ = WithSamples.__qualname__ = f"{task_class.__name__}WithSamples"
     return WithSamples
+
+
+def with_random_draws(task_class: type[Task]) -> type[Task]:
+    """`task_class` whose training samples are augmented at random, whatever they hold: each
+    fetch draws from Python's, NumPy's and torch's generators and, about half the time, gives
+    a neighbouring sample instead. What a run trains on then depends on every draw of the data
+    being reproducible."""
+
+    class WithRandomDraws(task_class):
+        def build_datasets(self) -> tuple[Dataset, Dataset]:
+            train_set, eval_set = super().build_datasets()
+            return RandomlySubstituted(train_set), eval_set
+
+    WithRandomDraws.__name__ = WithRandomDraws.__qualname__ = f"{task_class.__name__}WithDraws"
+    return WithRandomDraws
+
+
+class RandomlySubstituted(Dataset):
+    """`dataset`, each fetch a random draw from every generator a data set may use."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        offset = random.randrange(8) + int(torch.randint(8, ())) + int(numpy.random.randint(8))
+        return self.dataset[(index + offset % 2) % len(self.dataset)]
 
 
 def _first(dataset: Dataset, count: int | None, name: str) -> Dataset:

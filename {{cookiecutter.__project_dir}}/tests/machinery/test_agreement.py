@@ -18,9 +18,11 @@ from {{ cookiecutter.package_name }}.cluster.agreement import (
     Roster,
     agree_on_data,
     describe_ranks,
+    identity,
     judge,
     source_digests,
 )
+from {{ cookiecutter.package_name }}.config import load_config
 
 from ..helpers import FAST, run_torchrun, spawn, write_fault_entry
 
@@ -57,6 +59,18 @@ def test_a_setting_that_differs_is_named_with_both_values_and_hosts() -> None:
     problems = "\n".join(judge(identities, ROSTER))
     assert "run.seed: 1234 on ranks 0-1 on node01; 99 on ranks 2-3 on node02" in problems
     assert "optim.lr" not in problems
+
+
+def test_hosts_may_load_with_their_own_number_of_workers() -> None:
+    """A host with fewer cores (data.num_workers=auto giving 0 there, 2 elsewhere) or its own
+    loader settings trains with the others: they change how it loads, not what it trains."""
+    cpu = torch.device("cpu")
+    mine = identity(load_config(None, ["data.num_workers=0"]), cpu)
+    other = ["data.num_workers=2", "data.prefetch_factor=4", "data.persistent_workers=false"]
+    theirs = identity(load_config(None, other), cpu)
+    assert judge({0: mine, 1: theirs}, ROSTER) == []
+    seed = identity(load_config(None, ["data.num_workers=2", "run.seed=7"]), cpu)
+    assert "run.seed" in "\n".join(judge({0: mine, 1: seed}, ROSTER))
 
 
 def test_other_code_is_named_by_file_and_release() -> None:
@@ -173,11 +187,10 @@ def test_a_run_directory_one_rank_does_not_see_is_refused_before_anything_is_wri
 
 
 def _build_other_data(rank: int, world_size: int) -> str | None:
-    """Rank 1 built one training sample fewer and loads in worker processes: what each rank
-    is told."""
+    """Rank 1 built one training sample fewer: what each rank is told."""
     train = TensorDataset(torch.arange(512 - rank))
     try:
-        agree_on_data({"training set": train}, {"loads in worker processes": rank == 1})
+        agree_on_data({"training set": train})
     except LaunchMismatchError as error:
         return str(error)
     return None
@@ -190,4 +203,3 @@ def test_ranks_that_built_other_data_stop_together_naming_the_sizes(tmp_path: Pa
         assert message is not None and "the ranks built different data" in message
         assert "training set samples: 512 on rank 0" in message
         assert "511 on rank 1" in message
-        assert "loads in worker processes: False on rank 0" in message

@@ -14,6 +14,7 @@ from {{ cookiecutter.package_name }}.loading.data import (
     MAX_AUTO_WORKERS,
     EvalShardSampler,
     ResumableDistributedSampler,
+    SampleLoadError,
     build_train_loader,
     loader_workers,
     usable_cores,
@@ -110,16 +111,23 @@ class RandomCrops(Dataset):
 
 
 def _drawn(
-    rank: int, world_size: int, epoch: int = 0, start_index: int = 0, draw: str = "torch"
+    rank: int,
+    world_size: int,
+    epoch: int = 0,
+    start_index: int = 0,
+    draw: str = "torch",
+    workers: int = 2,
 ) -> list[float]:
-    """What a rank's DataLoader workers draw for each sample of its shard, in order."""
+    """What a rank's loader draws for each sample of its shard, in order, its samples seeded
+    one by one (in `workers` processes, or in this one)."""
     loader, sampler = build_train_loader(
         RandomCrops(draw),
         DistEnv(rank=rank, world_size=world_size),
-        DataConfig(num_workers=2, pin_memory=False),
+        DataConfig(num_workers=workers, pin_memory=False),
         micro_batch_size=4,
         seed=7,
         device=torch.device("cpu"),
+        sample_seeds=True,
     )
     sampler.set_epoch(epoch, start_index=start_index)
     return torch.cat(list(loader)).tolist()
@@ -140,6 +148,56 @@ def test_dataloader_workers_draw_the_same_numbers_after_a_resume_mid_epoch(draw:
     unbroken = _drawn(0, WORLD, epoch=1, draw=draw)
     assert _drawn(0, WORLD, epoch=1, start_index=12, draw=draw) == unbroken[12:]
     assert _drawn(0, WORLD, epoch=2, draw=draw) != unbroken
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("draw", ["torch", "numpy"])
+def test_the_draws_do_not_depend_on_the_number_of_workers_none_included(draw: str) -> None:
+    """Hosts with other core counts (another `auto` worker count) draw alike, and a run resumed
+    with other workers draws what the unbroken one would."""
+    if draw == "numpy":
+        pytest.importorskip("numpy", reason="NumPy is seeded only where the data code uses it")
+    with_two = _drawn(1, WORLD, epoch=1, draw=draw)
+    assert _drawn(1, WORLD, epoch=1, draw=draw, workers=1) == with_two
+    assert _drawn(1, WORLD, epoch=1, draw=draw, workers=0) == with_two
+
+
+def test_seeding_samples_in_the_training_process_leaves_its_own_streams_as_they_were() -> None:
+    """Dropout goes on drawing from the rank's streams, whatever the data drew meanwhile."""
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    _drawn(0, WORLD, workers=0)
+    assert torch.equal(torch.rand(4), expected)
+
+
+class Corrupt(Dataset):
+    """Sample 5 cannot be read, as a corrupt record would."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index == 5:
+            raise ValueError("truncated record at byte 1234\nmore detail")
+        return torch.tensor(index)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sample_that_fails_is_named_with_its_set_and_the_process_that_read_it(
+    workers: int,
+) -> None:
+    config = DataConfig(num_workers=workers, pin_memory=False)
+    loader, _ = build_train_loader(Corrupt(), DistEnv(), config, 4, 0, torch.device("cpu"))
+    with pytest.raises(SampleLoadError) as raised:
+        list(loader)
+    where = "the training process" if workers == 0 else "loader worker "
+    assert raised.value.summary.startswith(where)
+    assert raised.value.summary.endswith(
+        "could not load sample 5 of the training set: ValueError: truncated record at byte 1234"
+    )
+    assert 'raise ValueError("truncated record' in raised.value.details
 
 
 @pytest.mark.parametrize(

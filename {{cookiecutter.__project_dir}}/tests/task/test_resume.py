@@ -23,6 +23,7 @@ from ..helpers import (
     micro_batch_size,
     optimizer_states,
     spawn,
+    with_random_draws,
     with_samples,
 )
 
@@ -145,17 +146,21 @@ def _exact(key: str) -> bool:
     )
 
 
-# --- another world size --------------------------------------------------------------------
-# float64 and eval mode (no dropout), and a DataLoader worker (augmentation seeded per sample):
-# a run resumed on another number of ranks then ends within rounding of the unbroken run
-# exactly when it continued at the right sample with the right global batch.
-Float64TenStepsPerEpoch = float64(TenStepsPerEpoch)
+# --- another world size, other loader workers ----------------------------------------------
+# float64 and eval mode (no dropout), data augmented at random, and a loader worker (each
+# sample seeded alone: data.py): a run resumed on another number of ranks then ends within
+# rounding of the unbroken run exactly when it continued at the right sample with the right
+# global batch and the same draws; on the same ranks without workers, bitwise.
+Float64TenStepsPerEpoch = float64(with_random_draws(TenStepsPerEpoch))
 
 
-def _float64_run(rank: int, world_size: int, run_dir: Path) -> dict[str, torch.Tensor]:
-    # A worker process seeds each sample alone (data.py): random augmentation then depends on
-    # the sample, not on which rank draws it, and the runs stay comparable on any world size.
-    config = load_config(None, [*_config(run_dir), "data.num_workers=1"])
+def _float64_run(
+    rank: int, world_size: int, run_dir: Path, workers: int = 1
+) -> dict[str, torch.Tensor]:
+    # Each sample is seeded alone (data.py): random augmentation then depends on the sample,
+    # not on which rank draws it, nor in which process, and runs stay comparable on any world
+    # size and with any number of loader workers.
+    config = load_config(None, [*_config(run_dir), f"data.num_workers={workers}"])
     trainer = _trainer(config, env_for(rank, world_size), Float64TenStepsPerEpoch)
     resumed_at = trainer.step if trainer.resume() else None
     trainer.fit()
@@ -188,6 +193,18 @@ def test_a_2_rank_checkpoint_continues_on_another_world_size_at_the_exact_sample
     assert result["resumed_at"] == CHECKPOINT_EVERY
     for name, tensor in unbroken.items():
         torch.testing.assert_close(result["weights"][name], tensor, rtol=1e-9, atol=1e-12)
+
+
+def test_a_run_of_loader_workers_resumed_without_them_ends_bitwise_equal(
+    two_rank_float64_run: tuple[Path, dict], tmp_path: Path
+) -> None:
+    """A host with other cores (data.num_workers=auto: none there) takes the run over."""
+    source, unbroken = two_rank_float64_run
+    _copy_up_to_first_checkpoint(source, tmp_path / "run")
+    result = spawn(2, _float64_run, tmp_path / "run", 0, workdir=tmp_path)[0]
+    assert result["resumed_at"] == CHECKPOINT_EVERY
+    for name, tensor in unbroken.items():
+        assert torch.equal(result["weights"][name], tensor), name
 
 
 def test_resuming_on_another_world_size_says_bitwise_reproducibility_is_lost(

@@ -50,7 +50,13 @@ from .checkpoint import (
 )
 from .layout import INCOMPATIBLE_SUFFIX
 from .newest_intact import NoUsableCheckpointError, load_newest_intact
-from .resume import ResumeError, announce_world_size_change, changed_settings, check_changes
+from .resume import (
+    ResumeError,
+    announce_world_size_change,
+    changed_settings,
+    check_changes,
+    continue_sample_seeds,
+)
 from .retention import set_aside
 from .storage import Location, local_dir_of
 from .weights import export_weights, load_initial_weights
@@ -127,6 +133,7 @@ class Checkpointer:
                 "seed": state.sampler.seed,
                 "epoch": state.sampler.epoch,
                 "start_index": state.sampler.start_index,
+                "sample_seeds": state.sampler.sample_seeds,
             },
             "task": state.task.state_dict(),
             "ema": None if state.ema is None else state.ema.state_dict(),
@@ -324,6 +331,10 @@ class Checkpointer:
         self._resume_ema(saved.get("ema"), announce)
         state.best.load_state_dict(saved.get("best"), announce)
         state.skips.skipped = saved.get("skipped_steps", 0)
+        seeded = saved.get("sampler", {}).get("sample_seeds")
+        state.sampler.sample_seeds = continue_sample_seeds(
+            seeded, state.sampler.sample_seeds, saved["step"], announce
+        )
         if "task" in saved:  # checkpoints of contract version 1 hold no task state
             state.task.load_state_dict(saved["task"])
 

@@ -121,6 +121,32 @@ def announce_world_size_change(saved: int, current: int, announce: bool) -> None
         )
 
 
+def continue_sample_seeds(saved: bool | None, now: bool, step: int, announce: bool) -> bool:
+    """Whether the data's random draws go on being seeded per sample (data.py) after a resume
+    at `step`: as the run did so far (`saved`; None in checkpoints of before it was recorded),
+    whatever the loader workers of this launch (`now`), so that a relaunch with other worker
+    counts draws what the unbroken run would. Workers cannot draw from a rank's streams: a run
+    that did so and now has workers is seeded per sample from here on, and says so."""
+    if saved is None or saved == now:
+        return now
+    if saved:
+        if announce:
+            log.info(
+                "the data's random draws are seeded per sample, as this run's earlier launches "
+                "did in loader workers: without workers now, in the training process"
+            )
+        return True
+    if announce:
+        log.warning(
+            "this run drew its data's random numbers from each rank's stream (no loader "
+            "workers); the workers of this launch seed them per sample instead: the samples and "
+            "their order are unchanged, random augmentation differs from an unbroken run after "
+            "step %d",
+            step,
+        )
+    return True
+
+
 def _refusal(key: str) -> str | None:
     for prefix, reason in REFUSED.items():
         if key == prefix or (prefix.endswith(".") and key.startswith(prefix)):

@@ -61,6 +61,14 @@ SHARED_WAIT_S = 30.0
 _READ_WAIT_S = 10.0
 #: Keys of the verdict's comparison, in the order the message lists them.
 _ASPECTS = ("code", "versions", "device", "config")
+#: Settings each host may choose for itself: how it loads its data, never which samples or
+#: how they are drawn (data.py), so hosts with other core counts train together.
+PER_HOST_SETTINGS = (
+    "data.num_workers",
+    "data.prefetch_factor",
+    "data.persistent_workers",
+    "data.pin_memory",
+)
 #: At most this many differing settings or files are listed; the rest are counted.
 _MAX_LISTED = 12
 
@@ -122,9 +130,14 @@ def identity(config: Config | None, device: torch.device) -> dict:
         "device": _device(device),
         "versions": versions(),
         "code": {"package": __version__, "files": source_digests()},
-        "config": {} if config is None else flatten(config.to_dict()),
+        "config": {} if config is None else _compared_settings(config),
         "allow_mixed_devices": config is not None and config.dist.allow_mixed_devices,
     }
+
+
+def _compared_settings(config: Config) -> dict[str, Any]:
+    settings = flatten(config.to_dict())
+    return {key: value for key, value in settings.items() if key not in PER_HOST_SETTINGS}
 
 
 def versions() -> dict[str, str]:
@@ -392,11 +405,11 @@ def _look_for(path: Location, token: str, wait_s: float) -> str | None:
         time.sleep(0.5)
 
 
-def agree_on_data(datasets: Mapping[str, Any], loading: Mapping[str, Any]) -> None:
+def agree_on_data(datasets: Mapping[str, Any]) -> None:
     """Every rank built the same data sets (sizes, and fingerprints where a data set has a
-    `fingerprint` attribute, such as a digest of the files it reads) and loads them alike
-    (`loading`), or every rank stops (exit 2). A collective, once the task has built them."""
-    mine = dict(loading)
+    `fingerprint` attribute, such as a digest of the files it reads), or every rank stops
+    (exit 2). A collective, once the task has built them."""
+    mine: dict[str, Any] = {}
     for name, dataset in datasets.items():
         mine[f"{name} samples"] = len(dataset)
         fingerprint = getattr(dataset, "fingerprint", None)

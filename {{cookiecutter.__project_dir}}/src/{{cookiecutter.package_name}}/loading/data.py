@@ -7,16 +7,25 @@ from __future__ import annotations
 
 import math
 import os
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    Sampler,
+    default_collate,
+    get_worker_info,
+)
 
 from ..cluster.distributed import DistEnv
 from ..config import DataConfig
-from ..training.rng import seed_all
+from ..training.rng import generators_kept, seed_sample
+from .workers import StopSafeLoader, drop_stop_signals
 
 #: The most loader workers per rank that data.num_workers=auto starts.
 MAX_AUTO_WORKERS = 8
@@ -100,7 +109,7 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[Any]:
         """This rank's indices from `start_index` on; with `sample_seeds`, (index, seed) pairs for
-        SampleSeededDataset.
+        LoaderDataset.
 
         The order is DistributedSampler's (the same permutation of the same generator), held
         as an array of this rank's share and read one index at a time: a Python list of every
@@ -122,26 +131,83 @@ class ResumableDistributedSampler(DistributedSampler):
         return self.num_samples - self.start_index
 
 
-class SampleSeededDataset(Dataset):
-    """Seeds the random generators of a DataLoader worker before each sample it fetches.
+class SampleLoadError(RuntimeError):
+    """The task's data set failed to give a sample: which, where, and why.
 
-    Python's, NumPy's and torch's global generators are seeded (rng.py).
-    Random augmentation in a worker then depends on (run seed, epoch, sample) alone: it differs
-    between samples, epochs and so ranks, and a run resumed mid-epoch draws exactly what the
-    unbroken run drew, whatever the number of workers. Without it every rank's workers start
-    from the same seed, and a resumed run's fresh workers repeat what the old ones drew first.
+    Raised in a loader worker, it reaches the rank as the DataLoader re-raises it there: of the
+    same class, its message then the worker's whole traceback, which ends with this one-line
+    account (`summary`).
     """
 
-    def __init__(self, dataset: Dataset) -> None:
+    @property
+    def summary(self) -> str:
+        """The one-line account: which process, which sample of which set, and the error."""
+        last = str(self).rstrip().splitlines()[-1]
+        return last.split(f"{type(self).__name__}: ", 1)[-1]
+
+    @property
+    def details(self) -> str:
+        """Where in the data set it failed: the traceback of the error, from the worker."""
+        if self.__cause__ is not None:  # raised in this process
+            return "".join(traceback.format_exception(self.__cause__)).rstrip()
+        return str(self).split("Original ", 1)[-1].rstrip()
+
+
+class LoaderDataset(Dataset):
+    """The task's data set as the loaders read it: a failure names its sample, and each
+    training sample is fetched with the random generators seeded for it when the sampler gives
+    (index, seed) pairs (ResumableDistributedSampler's `sample_seeds`).
+
+    Python's, NumPy's and torch's generators are seeded (rng.seed_sample). Random augmentation
+    then depends on (run seed, epoch, sample) alone: it differs between samples, epochs and so
+    ranks, it is the same whatever the number of loader workers (none included) and of ranks,
+    and a run resumed mid-epoch draws exactly what the unbroken run drew. Without it every
+    rank's workers start from the same seed, and a resumed run's fresh workers repeat what the
+    old ones drew first. In the training process (no workers) the rank's own generators are
+    put back after each batch: dropout goes on drawing from them.
+    """
+
+    def __init__(self, dataset: Dataset, name: str) -> None:
         self.dataset = dataset
+        #: What the task calls it in a failure's message: "training set", "evaluation set".
+        self.name = name
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, item: tuple[int, int]) -> Any:
-        index, seed = item
-        seed_all(seed)
-        return self.dataset[index]
+    def __getitem__(self, item: int | tuple[int, int]) -> Any:
+        if isinstance(item, tuple):
+            item, seed = item
+            seed_sample(seed)
+        try:
+            return self.dataset[item]
+        except Exception as error:
+            raise SampleLoadError(self._failure(item, error)) from error
+
+    def __getitems__(self, items: list[Any]) -> list[Any]:
+        """A batch's samples: the DataLoader fetches them together (through the data set's own
+        `__getitems__` where it has one and nothing is seeded)."""
+        seeded = bool(items) and isinstance(items[0], tuple)
+        if seeded and get_worker_info() is None:
+            with generators_kept():
+                return [self[item] for item in items]
+        fetch = getattr(self.dataset, "__getitems__", None)
+        if seeded or fetch is None:
+            return [self[item] for item in items]
+        try:
+            return fetch(items)
+        except Exception as error:
+            raise SampleLoadError(self._failure(items, error)) from error
+
+    def _failure(self, index: int | list[int], error: Exception) -> str:
+        worker = get_worker_info()
+        where = "the training process" if worker is None else f"loader worker {worker.id}"
+        what = f"sample {index}" if isinstance(index, int) else f"one of samples {index}"
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        return (
+            f"{where} (pid {os.getpid()}) could not load {what} of the {self.name}: "
+            f"{type(error).__name__}: {first_line}"
+        )
 
 
 class EvalShardSampler(Sampler[int]):
@@ -170,18 +236,20 @@ def build_train_loader(
     device: torch.device,
     collate: Callable[[list[Any]], Any] = default_collate,
     workers: int | None = None,
+    sample_seeds: bool | None = None,
 ) -> tuple[DataLoader, ResumableDistributedSampler]:
     """Full micro-batches only (drop_last): every optimizer step sees exactly the global batch.
 
     `workers`: loader processes (default: data.num_workers, with `auto` as for one rank per
-    host). With worker processes, each sample is fetched with its own seed
-    (SampleSeededDataset); in the main process (0 workers) the rank's own generators, saved in
-    checkpoints, serve.
+    host). `sample_seeds`: each sample is fetched with its own seed (LoaderDataset);
+    needed with worker processes, and the default there. Without (0 workers only), the rank's
+    own generators, saved in checkpoints, serve.
     """
     workers = loader_workers(config, 1) if workers is None else workers
-    sampler = ResumableDistributedSampler(dataset, env, seed, sample_seeds=workers > 0)
-    loader = DataLoader(
-        SampleSeededDataset(dataset) if workers > 0 else dataset,
+    sample_seeds = workers > 0 if sample_seeds is None else sample_seeds
+    sampler = ResumableDistributedSampler(dataset, env, seed, sample_seeds)
+    loader = StopSafeLoader(
+        LoaderDataset(dataset, "training set"),
         batch_size=micro_batch_size,
         sampler=sampler,
         drop_last=True,
@@ -204,8 +272,8 @@ def build_eval_loader(
     """Every evaluation sample exactly once across all ranks."""
     sampler = EvalShardSampler(len(dataset), env)
     workers = loader_workers(config, 1) if workers is None else workers
-    return DataLoader(
-        dataset,
+    return StopSafeLoader(
+        LoaderDataset(dataset, "evaluation set"),
         batch_size=batch_size,
         sampler=sampler,
         collate_fn=collate,
@@ -219,6 +287,7 @@ def _loader_options(config: DataConfig, workers: int, device: torch.device, seed
         "pin_memory": config.pin_memory and device.type == "cuda",
         "persistent_workers": config.persistent_workers and workers > 0,
         "prefetch_factor": config.prefetch_factor if workers > 0 else None,
+        "worker_init_fn": drop_stop_signals if workers > 0 else None,
         # Without its own generator, every iter(loader) draws from the global torch RNG, so a
         # run resumed mid-epoch (one extra iter) would get different dropout masks afterwards.
         # Seeded per rank: it also seeds the workers, which must differ between ranks.

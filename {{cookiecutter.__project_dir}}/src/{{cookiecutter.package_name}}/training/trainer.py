@@ -32,6 +32,7 @@ from ..checkpointing.checkpointer import Checkpointer, TrainingState
 from ..checkpointing.layout import checkpoint_root, latest_checkpoint, new_job_token
 from ..checkpointing.storage import Location, local_dir_of
 from ..cluster.agreement import agree_on_data, roster
+from ..cluster.agreement import describe_ranks as describe_ranks_on_hosts
 from ..cluster.distributed import (
     DistEnv,
     all_reduce_sum,
@@ -178,13 +179,9 @@ class Trainer:
         config, train = self.config, self.config.train
         train_set, eval_set = self.task.build_datasets()
         check_datasets(train_set, eval_set)
+        agree_on_data({"training set": train_set, "evaluation set": eval_set})
         workers = self._loader_workers()
-        # Worker processes seed each sample's random draws; the training process draws from
-        # the rank's own streams: ranks mixing the two would augment differently.
-        agree_on_data(
-            {"training set": train_set, "evaluation set": eval_set},
-            {"loads in worker processes (data.num_workers)": workers > 0},
-        )
+        sample_seeds = self._sample_seeds(workers)
         self.train_loader, self.sampler = build_train_loader(
             train_set,
             self.env,
@@ -194,6 +191,7 @@ class Trainer:
             self.device,
             self.task.collate,
             workers,
+            sample_seeds,
         )
         self.eval_loader = build_eval_loader(
             eval_set,
@@ -392,6 +390,22 @@ class Trainer:
                     cores,
                 )
         return workers
+
+    def _sample_seeds(self, workers: int) -> bool:
+        """Whether the data's random draws are seeded per sample: wherever a rank loads in
+        worker processes, which have no stream of the rank's, and then on every rank, so that
+        hosts with other core counts (other `auto` worker counts) draw alike. A resume keeps
+        what the run did (Checkpointer)."""
+        counts = gather_objects(workers)
+        seeded = any(counts)
+        without = [rank for rank, count in enumerate(counts) if count == 0]
+        if seeded and without and self.env.is_main:
+            log.info(
+                "%s load in the training process, the others in loader workers "
+                "(data.num_workers): every rank seeds each sample's random draws alike",
+                describe_ranks_on_hosts(without, roster()),
+            )
+        return seeded
 
     def _announce_batch_norm(self) -> None:
         """Batch statistics come from each rank's micro-batch: say what that means, once.
