@@ -275,7 +275,9 @@ SHORT_RUN = [
     "train.max_steps=20",
     "train.log_every=5",
     "checkpoint.every_steps=10",
-    "data.num_workers=0",
+    # Loader worker processes, as on any real node: they get every signal a launcher or a
+    # terminal sends the job's processes.
+    "data.num_workers=2",
 ]
 
 

@@ -49,7 +49,9 @@ SHORT_RUN = [
     "train.micro_batch_size=8",
     "train.log_every=5",
     "checkpoint.every_steps=10",
-    "data.num_workers=0",
+    # Loader worker processes, as on any real node: they inherit what their rank has open and
+    # get the signals sent to its process group.
+    "data.num_workers=2",
     f"dist.timeout_s={TIMEOUT_S}",
 ]
 LONG_RUN = [*SHORT_RUN, "train.epochs=1000", "train.max_steps=100000", "train.log_every=500"]
@@ -102,12 +104,13 @@ def run_nodes(
     bound_s: float = JOIN_TIMEOUT_S,
     port: int | None = None,
     join_timeout_s: float = MEETING_JOIN_TIMEOUT_S,
+    own_arguments: dict[str, list[str]] | None = None,
 ) -> dict[str, NodeRun]:
     """Launch `launch/torchrun.sh ARGUMENTS` on the `nodes` at once; return each one's exit
     status and output once both have ended. `envs` change each node's environment (None unsets
-    a variable); `during` acts on the running launches (a fault mid-run). A node that has not
-    ended `bound_s` + SLACK_S seconds after the start (or after `during`) is powered off and the
-    test fails."""
+    a variable), `own_arguments` add to a node's arguments; `during` acts on the running
+    launches (a fault mid-run). A node that has not ended `bound_s` + SLACK_S seconds after the
+    start (or after `during`) is powered off and the test fails."""
     port = port or next(_ports)
     processes: dict[str, subprocess.Popen] = {}
     logs: dict[str, Path] = {}
@@ -136,7 +139,10 @@ def run_nodes(
         files = hosts_files or cluster.hosts_files
         private_dir = (private or {}).get(name)
         command = host.node_command(
-            name, files[name], ["bash", "launch/torchrun.sh", *arguments], private_dir
+            name,
+            files[name],
+            ["bash", "launch/torchrun.sh", *arguments, *(own_arguments or {}).get(name, [])],
+            private_dir,
         )
         logs[name] = tmp_path / f"{name}.log"
         with logs[name].open("w") as output:
@@ -177,7 +183,8 @@ def final_checkpoint(run_dir: Path) -> dict:
 
 def test_two_hosts_train_as_one_job(cluster: Cluster, project: Path, tmp_path: Path) -> None:
     """2 processes on each host meet by c10d rendezvous at alpha and train as 4 gloo ranks over
-    the link, writing one shared checkpoint; each node says who joined."""
+    the link, writing one shared checkpoint; each node says who joined. The hosts load their
+    data alike but for their number of loader workers (beta has no cores to spare)."""
     run_dir = tmp_path / "run"
     two_each = {"NPROC_PER_NODE": "2"}
     runs = run_nodes(
@@ -187,10 +194,12 @@ def test_two_hosts_train_as_one_job(cluster: Cluster, project: Path, tmp_path: P
         [f"run.dir={run_dir}", *SHORT_RUN, "train.max_steps=20"],
         envs=(two_each, two_each),
         bound_s=180,
+        own_arguments={"beta": ["data.num_workers=0"]},
     )
     assert_statuses(runs, {"alpha": 0, "beta": 0})
     assert "all 2 nodes joined: alpha (10.213.0.1, 2 process(es)), beta" in runs["beta"].log
     assert "4 ranks on 2 host(s): alpha (10.213.0.1): ranks 0-1, cpu" in runs["alpha"].log
+    assert "ranks 2-3 on beta load in the training process" in runs["alpha"].log
     marker = final_checkpoint(run_dir)
     assert (marker["step"], marker["world_size"]) == (20, 4)
 

@@ -15,6 +15,7 @@ if __name__ == "__main__":
 
 import argparse
 import logging
+import socket
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -54,6 +55,8 @@ from .faults.parent_watch import launcher_watched
 from .faults.stopping import EXIT_INTERRUPTED, StopRequests
 from .faults.watchdog import aborts_reported, hangs_reported, startup_bounded, stop_deadline
 from .launch import exit_status_recorded
+from .loading.data import SampleLoadError
+from .loading.workers import describe_worker_death
 from .monitoring.logs import log_file_name, setup_logging
 from .monitoring.metrics import MetricsLogger
 {%- if cookiecutter.tracker != "none" %}
@@ -169,6 +172,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_DIVERGED
     except CheckpointSaveError as error:  # a full disk: the earlier checkpoints are intact
         log.error("%s", error)
+        return 1
+    except SampleLoadError as error:
+        log.error("the data set failed to give a sample:\n%s", error.details)
+        log.error("rank %d on %s: %s", env.rank, socket.gethostname(), error.summary)
+        return 1
+    except RuntimeError as error:
+        death = describe_worker_death(error)
+        if death is None:
+            raise
+        log.error("rank %d on %s: %s", env.rank, socket.gethostname(), death)
         return 1
     except KeyboardInterrupt:
         log.error(

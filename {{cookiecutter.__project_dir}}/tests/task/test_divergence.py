@@ -84,7 +84,8 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_before_any_checkpoint_holds_it(
     tmp_path: Path,
 ) -> None:
     """Logged every 50 steps, the NaN of step 10 is found by the check before the save at step
-    12: checkpoints 4 and 8 stay, 12 is never written, and pruning kept the finite ones."""
+    12: checkpoints 4 and 8 stay, 12 is never written, and pruning kept the finite ones. With
+    loader workers, as on a real node: they must not keep the ranks from exiting."""
     run_dir = tmp_path / "run"
     overrides = [
         *FAST,
@@ -93,6 +94,7 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_before_any_checkpoint_holds_it(
         "train.log_every=50",
         "train.eval_every=50",
         "checkpoint.keep_last=2",
+        "data.num_workers=2",
     ]
     entry = write_fault_entry(tmp_path, NAN_ON_RANK_1_AT_STEP_10)
     result = run_torchrun(2, overrides, entry=entry)

@@ -67,7 +67,8 @@ def test_killing_torchrun_stops_its_workers_with_a_checkpoint_at_one_step(tmp_pa
     )
     # Stop checks after every step: the stop comes a step or two after the launcher's death.
     steps = f"train.max_steps={TOTAL_STEPS}"
-    overrides = [*FAST, f"run.dir={run_dir}", steps, "checkpoint.stop_check_s=0"]
+    workers = "data.num_workers=2"  # as on a real node
+    overrides = [*FAST, f"run.dir={run_dir}", steps, "checkpoint.stop_check_s=0", workers]
     result = run_torchrun(2, overrides, entry=write_fault_entry(tmp_path, fault))
     assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
     pids = [int((tmp_path / f"rank_{rank}.pid").read_text()) for rank in range(2)]

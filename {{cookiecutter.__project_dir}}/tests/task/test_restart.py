@@ -83,6 +83,7 @@ def _overrides(run_dir: Path, initial_weights: Path) -> list[str]:
         f"train.max_steps={TOTAL_STEPS}",
         f"init.weights={initial_weights}",
         "ema.decay=0.9",
+        "data.num_workers=2",  # as on a real node: the restarted ranks start theirs afresh
     ]
 
 
