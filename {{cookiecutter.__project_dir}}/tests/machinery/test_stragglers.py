@@ -38,11 +38,12 @@ def test_two_ranks_alike_make_the_first_the_slowest_with_no_excess() -> None:
     assert (straggler.rank, straggler.excess) == (0, 0.0)
 
 
-def _report(
-    threshold: float, own_s: list[float], readings: list[list[float]] | None = None
+def _window(
+    judge: Stragglers, own_s: list[float], readings: list[list[float]] | None = None
 ) -> tuple[dict[str, float], str | None]:
-    """The verdict on 10 steps of ranks that spent `own_s` per step of their own, 2 ms of it
-    waiting for data, and waited for the slowest in the all-reduce for the rest of its time."""
+    """`judge`'s verdict on a window of 10 steps of ranks that spent `own_s` per step of their
+    own, 2 ms of it waiting for data, and waited for the slowest in the all-reduce for the rest
+    of its time."""
     steps, slowest = 10, max(own_s)
     timings = torch.tensor([[slowest * steps, 0.002 * steps] for _ in own_s], dtype=torch.float64)
     waits = [[slowest - own] for own in own_s]
@@ -51,7 +52,58 @@ def _report(
         [wait + gpu for wait, gpu in zip(waits, readings or no_gpu, strict=True)],
         dtype=torch.float64,
     )
-    return Stragglers(CPU, len(own_s), threshold).report(timings, rows, steps)
+    return judge.report(timings, rows, steps)
+
+
+def _report(
+    threshold: float, own_s: list[float], readings: list[list[float]] | None = None
+) -> tuple[dict[str, float], str | None]:
+    """The verdict on the second of two alike windows (one alone never names a rank)."""
+    judge = Stragglers(CPU, len(own_s), threshold)
+    _window(judge, own_s, readings)
+    return _window(judge, own_s, readings)
+
+
+def _two_ranks(slowest: int, excess_ms: float, share: float) -> list[float]:
+    """Two ranks' own time per step when `slowest` exceeds the other by `excess_ms`, `share`
+    of the other's time."""
+    other = excess_ms / 1e3 / share
+    return [other + excess_ms / 1e3, other] if slowest == 0 else [other, other + excess_ms / 1e3]
+
+
+#: Log windows of two healthy ranks sharing two busy CPU cores, as measured (the slowest rank,
+#: its excess in ms, and as a share of the other's time): past the share, even twice in a row
+#: for the same rank, but by milliseconds.
+SHARED_CORES = [
+    (0, 0.4, 0.05), (0, 1.1, 0.26), (0, 1.5, 0.46), (1, 0.6, 0.14), (0, 2.5, 1.50),
+    (1, 3.3, 2.30), (1, 3.7, 0.79), (1, 2.0, 0.31), (0, 4.7, 0.43), (1, 5.0, 0.62),
+    (1, 4.6, 0.69), (0, 3.7, 0.36), (0, 3.7, 2.12), (1, 2.9, 1.12),
+]  # fmt: skip
+
+
+def test_a_healthy_host_whose_ranks_share_busy_cores_names_nobody() -> None:
+    judge = Stragglers(CPU, 2, 0.25)
+    warnings = [_window(judge, _two_ranks(*window))[1] for window in SHARED_CORES]
+    assert warnings == [None] * len(SHARED_CORES)
+
+
+def test_a_rank_that_sleeps_is_named_at_its_second_window_and_while_it_stays_slow() -> None:
+    judge = Stragglers(CPU, 2, 0.25)
+    windows = [_window(judge, [0.010, 0.060])[1] for _ in range(3)]
+    assert windows[0] is None
+    assert all(warning and warning.startswith("rank 1 on") for warning in windows[1:])
+
+
+def test_a_rank_slow_in_one_window_then_another_is_named_for_neither() -> None:
+    judge = Stragglers(CPU, 2, 0.25)
+    assert _window(judge, [0.060, 0.010])[1] is None
+    assert _window(judge, [0.010, 0.060])[1] is None
+    assert _window(judge, [0.010, 0.060])[1] is not None
+
+
+def test_an_excess_under_ten_ms_is_not_named_whatever_its_share() -> None:
+    assert _report(0.25, [0.004, 0.0135])[1] is None
+    assert _report(0.25, [0.004, 0.0145])[1] is not None
 
 
 def test_a_rank_past_the_threshold_is_named_with_its_excess() -> None:

@@ -148,7 +148,8 @@ class TrainConfig:
     `straggler_threshold`: each log line measures every rank's own time per step (its compute
     and data wait, without its wait for the others in the gradient all-reduce) and warns, naming
     the rank and its host, when the slowest exceeds the other ranks' median by more than this
-    share of it (stragglers.py; the wait is timed in one step of every third of `log_every`).
+    share of it, and by 10 ms or more, in two log windows in a row (stragglers.py; the wait is
+    timed in one step of every third of `log_every`).
 
     `on_nonfinite`: a NaN or infinite loss or gradient norm is read at the next log line and
     always before a checkpoint (no wait for the device in the step). `stop` ends the run with
@@ -180,7 +181,7 @@ class TrainConfig:
     #: A log line and a metrics record every that many optimizer steps.
     log_every: int = 10
     #: Warn when a rank's own time per step exceeds the other ranks' median by more than this
-    #: share of it (0.25: 25%); 0: never.
+    #: share of it (0.25: 25%) and 10 ms, two log windows in a row; 0: never.
     straggler_threshold: float = 0.25
     #: A progress bar on rank 0 when stderr is a terminal.
     progress_bar: bool = True

@@ -65,6 +65,14 @@ READINGS: list[tuple[str, Callable[[torch.device], float], float, str]] = [
 _UNTIMED = nullcontext()
 #: The fewest steps of a full log window whose wait is timed.
 TIMED_PER_WINDOW = 3
+#: A rank is named only when it is the slowest past the threshold in this many log windows in
+#: a row, by at least MIN_EXCESS_S per step each time. Two ranks sharing two busy CPU cores
+#: (a healthy laptop) take turns at being "slowest" by up to half their step: 26 of 60 windows
+#: passed the share alone, 7 twice in a row, the largest excess 6 ms; none passed both rules
+#: in 120 windows, with and without loader workers. A rank that is really slow is so in every
+#: window.
+PERSIST_WINDOWS = 2
+MIN_EXCESS_S = 0.010
 
 
 def device_readings(device: torch.device) -> list[float]:
@@ -120,8 +128,9 @@ class Stragglers:
 
     The trainer calls `start_step(step)` before each optimizer step and wraps each backward in
     `timed_backward(loss, reduces)`, adds `row()` to the log line's gather, and hands every
-    rank's rows to `report()`. A warning is due when the slowest rank's excess passes
-    `threshold` (a share of the others' median; 0: never). One step in `every` is timed:
+    rank's rows to `report()`. A warning is due when the same rank's excess passes `threshold`
+    (a share of the others' median; 0: never) and MIN_EXCESS_S in PERSIST_WINDOWS windows in a
+    row. One step in `every` is timed:
     a third of `log_every` or less.
     """
 
@@ -138,6 +147,9 @@ class Stragglers:
         self._waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._spare: list[torch.cuda.Event] = []
         self._own_work_done: float | torch.cuda.Event | None = None
+        #: The rank that was the slowest past the rules in the last windows, and in how many.
+        self._suspect: int | None = None
+        self._suspect_windows = 0
 
     def start_step(self, step: int) -> None:
         """Before optimizer step `step` (counted from 1): whether its wait is timed."""
@@ -229,7 +241,7 @@ class Stragglers:
             f"train/gpu_{name}_slowest": float(readings[straggler.rank, index])
             for index, name, _ in known
         }
-        if not (self.threshold and straggler.excess > self.threshold):
+        if not self._persists(straggler):
             return figures, None
         rank = straggler.rank
         data_wait = float(data_wait_s[rank]) / steps
@@ -239,6 +251,18 @@ class Stragglers:
             for index, _, shown in known
         ]
         return figures, self._warning(straggler, float(compute[rank]), data_wait, gpu)
+
+    def _persists(self, straggler: Straggler) -> bool:
+        """Whether `straggler`, this window's slowest rank, is named: past the threshold and
+        MIN_EXCESS_S, as it was in the PERSIST_WINDOWS - 1 windows before."""
+        past = straggler.excess > self.threshold and straggler.excess_s >= MIN_EXCESS_S
+        if not (self.threshold and past):
+            self._suspect, self._suspect_windows = None, 0
+            return False
+        same = self._suspect == straggler.rank
+        self._suspect_windows = self._suspect_windows + 1 if same else 1
+        self._suspect = straggler.rank
+        return self._suspect_windows >= PERSIST_WINDOWS
 
     def _warning(
         self,
