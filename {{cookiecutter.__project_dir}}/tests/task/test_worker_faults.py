@@ -30,9 +30,9 @@ WORKERS = "data.num_workers=2"
 TOTAL_STEPS = 400  # far more than a stop needs: a run that reaches the end did not stop
 SIGNAL_IN_STEP = 6
 
-#: Rank 0 has a signal sent in step SIGNAL_IN_STEP by SEND (Python source using `launcher`,
-#: torchrun's pid, and `job`, every process under it). Every step takes 20 ms or more, so that
-#: training would run on for 8 s.
+#: Rank 0 has a signal sent by SEND (Python source using `launcher`, torchrun's pid, and
+#: `job`, every process under it) in Trainer.MOMENT (a step or an evaluation) once it reaches
+#: step SIGNAL_IN_STEP. Every step takes 20 ms or more, so that training would run on for 8 s.
 SIGNALLING = """
 import subprocess
 from pathlib import Path
@@ -45,19 +45,25 @@ def descendants(pid):
     return children + [grandchild for child in children for grandchild in descendants(child)]
 
 
-train_step = Trainer.train_step
+original, train_step, sent = Trainer.MOMENT, Trainer.train_step, []
 
 
-def signalling_train_step(self, batches):
-    if self.env.rank == 0 and self.step + 1 == SIGNAL_IN_STEP:
+def signalling(self, *args, **kwargs):
+    if self.env.rank == 0 and self.step + 1 >= SIGNAL_IN_STEP and not sent:
+        sent.append(True)
         launcher = os.getppid()
         job = [launcher, *descendants(launcher)]
         subprocess.Popen(["sh", "-c", f"SEND"], start_new_session=True)
+    return original(self, *args, **kwargs)
+
+
+def slow_train_step(self, batches):
     time.sleep(0.02)
     return train_step(self, batches)
 
 
-Trainer.train_step = signalling_train_step
+Trainer.train_step = slow_train_step
+Trainer.MOMENT = signalling
 """
 
 #: How each is sent: by a process outside the job, as a launcher, a scheduler or a terminal is.
@@ -74,14 +80,22 @@ def _overrides(run_dir: Path, *extra: str) -> list[str]:
     return [*FAST, f"run.dir={run_dir}", f"train.max_steps={TOTAL_STEPS}", WORKERS, *extra]
 
 
-@pytest.mark.parametrize("sender", list(SENDERS))
+@pytest.mark.parametrize(
+    ("sender", "moment", "settings"),
+    [
+        *((sender, "train_step", ()) for sender in SENDERS),
+        ("sigterm-to-torchrun", "evaluate", ("checkpoint.async=true",)),
+    ],
+    ids=[*SENDERS, "sigterm-to-torchrun-in-an-evaluation-with-background-saves"],
+)
 def test_a_stop_signal_sent_as_launchers_send_it_stops_every_rank_with_a_checkpoint(
-    tmp_path: Path, sender: str
+    tmp_path: Path, sender: str, moment: str, settings: tuple[str, ...]
 ) -> None:
     run_dir = tmp_path / "run"
-    fault = SIGNALLING.replace("SIGNAL_IN_STEP", str(SIGNAL_IN_STEP))
+    fault = SIGNALLING.replace("SIGNAL_IN_STEP", str(SIGNAL_IN_STEP)).replace("MOMENT", moment)
     fault = fault.replace("SEND", SENDERS[sender])
-    result = run_torchrun(2, _overrides(run_dir), entry=write_fault_entry(tmp_path, fault))
+    overrides = _overrides(run_dir, *settings)
+    result = run_torchrun(2, overrides, entry=write_fault_entry(tmp_path, fault))
     log = (run_dir / "train.log").read_text()
     stopped = re.search(rf"stopped at step (\d+) of {TOTAL_STEPS} on SIG\w+", log)
     assert stopped, result.stderr[-4000:]
