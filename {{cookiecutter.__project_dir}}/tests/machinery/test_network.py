@@ -1,6 +1,9 @@
-"""The network facts the launchers and the doctor check: addresses, loopback, interfaces."""
+"""The network facts the launchers and the doctor check: addresses, loopback, interfaces,
+link speeds."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +63,21 @@ def test_nccl_interfaces_are_prefixes_unless_exact_and_exclusions_are_not_checke
 
 def test_gloo_uses_the_address_of_the_interface_it_is_given() -> None:
     assert network.gloo_address({"GLOO_SOCKET_IFNAME": "lo"}) == "127.0.0.1"
+
+
+def test_a_link_speed_is_taken_from_a_nic_and_not_from_a_virtual_interface(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A veth (a container's eth0, a namespace's link) says 10000 Mb/s whatever carries it; a
+    NIC's speed, and that of a VLAN stacked on it, is the link's."""
+    for name, speed in (("eth0", "25000"), ("eth0.7", "25000"), ("veth0", "10000")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "speed").write_text(f"{speed}\n")
+    (tmp_path / "eth0" / "device").mkdir()
+    (tmp_path / "eth0.7" / "lower_eth0").mkdir()
+    monkeypatch.setattr(network, "SYS_NET", tmp_path)
+    names = [(1, "eth0"), (2, "eth0.7"), (3, "veth0")]
+    monkeypatch.setattr(network.socket, "if_nameindex", lambda: names)
+    speeds = {name: found.speed_mbps for name, found in network.interfaces().items()}
+    assert speeds == {"eth0": 25000, "eth0.7": 25000, "veth0": None}
+
