@@ -30,6 +30,7 @@ nothing and writes nothing in the run directory but a probe file it removes.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -39,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -78,7 +80,7 @@ from .loading.data import affinity_cores, loader_workers, usable_cores
 from .monitoring.logs import setup_logging
 from .monitoring.metrics import MetricsLogger
 from .task import Task
-from .train import checked_config
+from .train import checked_config, tell_the_other_ranks
 from .training.trainer import AUTOCAST_DTYPES, Trainer, move_to_device
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
@@ -107,7 +109,11 @@ class Check:
 
 
 class _Disagreed(Exception):
-    """The ranks were not launched alike: reported, and nothing else can be checked."""
+    """The ranks were not launched alike: no process group, and `check` says why."""
+
+    def __init__(self, check: Check) -> None:
+        super().__init__(check.value)
+        self.check = check
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -132,13 +138,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     env = detect_env()
+    if env.is_main:
+        # A run that ends before its report must not leave an earlier run's report looking
+        # like its own.
+        args.json.unlink(missing_ok=True)
     config = checked_config(args.config, args.overrides, env)
     if config is None:
         return 2
     setup_logging(env.rank)
     started = time.monotonic()
-    checks: list[Check] = []
     nccl_log = _log_nccl_transport()
+    here = _here(config, env)
+    with _run_dir_probe(config, env) as probe:
+        checks = _checks(config, env, args.busbw_floor, nccl_log, here, probe)
+    return _finish(checks, env, args.json, time.monotonic() - started)
+
+
+def _checks(
+    config: Config,
+    env: DistEnv,
+    floor: float | None,
+    nccl_log: Path | None,
+    here: dict[str, Any],
+    probe: _Probe,
+) -> list[Check]:
+    """Every check once the process group has started; what this rank found alone, and why
+    the group did not start, when it cannot (the report names its cause in the project's
+    words, not gloo's)."""
+    if here["problems"] and env.world_size > 1:
+        # gloo would abort on the missing interface: the other ranks are told instead.
+        tell_the_other_ranks(env, "\n".join(here["problems"]))
+        reason = "not started: an interface that GLOO_/NCCL_SOCKET_IFNAME names is missing"
+        return [Check("process group", SKIP, reason), *_checks_alone(config, env, here, probe)]
 
     def agree(store: dist.Store, device: torch.device) -> None:
         try:
@@ -146,31 +177,64 @@ def main(argv: list[str] | None = None) -> int:
                 store, env.rank, env.world_size, identity(config, device), config.dist.timeout_s
             )
         except (LaunchMismatchError, LaunchIncompleteError) as error:
-            checks.append(Check("agreement", FAIL, str(error), "launch every node alike"))
-            raise _Disagreed from error
+            fix = "launch every node with the same code, config and overrides (named above)"
+            raise _Disagreed(Check("agreement", FAIL, str(error), fix)) from error
 
     guard = startup_bounded(StopRequests(enabled=False), env, config.dist.timeout_s)
+    group_started = False
     try:
         with process_group(env, config.dist, agree=agree, starting=guard) as device:
-            checks = _run_checks(config, env, device, args.busbw_floor, nccl_log)
-    except _Disagreed:
-        pass
-    return _finish(checks, env, args.json, time.monotonic() - started)
+            group_started = True
+            return _run_checks(config, env, device, floor, nccl_log, here, probe)
+    except _Disagreed as disagreed:
+        return [disagreed.check, *_checks_alone(config, env, here, probe)]
+    except RuntimeError as error:  # gloo's and NCCL's errors, LaunchIncompleteError
+        if group_started:
+            raise
+        failed = Check(
+            "process group",
+            FAIL,
+            f"did not start: {str(error).strip().splitlines()[0]}",
+            "start every rank (a node's own log says why one failed), open MASTER_PORT "
+            "between the nodes, and set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME) to the "
+            "interface they share",
+        )
+        return [failed, *_checks_alone(config, env, here, probe)]
 
 
 def _run_checks(
-    config: Config, env: DistEnv, device: torch.device, floor: float | None, nccl_log: Path | None
+    config: Config,
+    env: DistEnv,
+    device: torch.device,
+    floor: float | None,
+    nccl_log: Path | None,
+    here: dict[str, Any],
+    probe: _Probe,
 ) -> list[Check]:
     """Every check, on every rank in the same order (they hold collectives); the report as
     rank 0 composed it."""
-    checks = [_agreement(env, device)]
-    for check in (_run_dir, _clock_skew, _network, _environment):
-        checks.extend(check(config, env))
+    everyone = gather_objects(here)
+    checks = [_agreement(env, device), _run_dir(config, env, probe), probe.room]
+    checks.extend(_clock_skew(config, env))
+    checks.extend(_host_checks(config, everyone))
     checks.extend(_fabric(env, device, floor))
     checks.append(_nccl_transport(device, nccl_log))
     checks.append(_compute(config, env, device))
     checks.extend(_data(config, env, device))
     return gather_objects(checks if env.is_main else None)[0]
+
+
+def _checks_alone(config: Config, env: DistEnv, here: dict[str, Any], probe: _Probe) -> list[Check]:
+    """What this rank finds without the others: its host's interfaces, variables and cores,
+    and (rank 0) whether it can write in the run directory."""
+    if probe.problem:
+        run_dir = Check("run directory", FAIL, probe.problem, _RUN_DIR_WRITABLE)
+    elif env.is_main:
+        shown = f"rank 0 can write in {probe.run_dir}; whether every rank sees it needs the group"
+        run_dir = Check("run directory", PASS, shown)
+    else:
+        run_dir = Check("run directory", SKIP, "rank 0 checks it")
+    return [run_dir, probe.room, *_host_checks(config, [here])]
 
 
 def _finish(checks: list[Check], env: DistEnv, report: Path, seconds: float) -> int:
@@ -190,7 +254,9 @@ def _finish(checks: list[Check], env: DistEnv, report: Path, seconds: float) -> 
             "roster": roster().hosts,
             "checks": [asdict(check) for check in checks],
         }
-        report.write_text(json.dumps(document, indent=2) + "\n")
+        partial = report.with_name(f".{report.name}.partial")
+        partial.write_text(json.dumps(document, indent=2) + "\n")
+        partial.replace(report)  # whole or not at all: a reader never sees half a report
     return status
 
 
@@ -211,40 +277,71 @@ def _where(env: DistEnv) -> str:
     return roster().describe() if roster().hosts else f"{env.world_size} rank(s)"
 
 
-def _run_dir(config: Config, env: DistEnv) -> list[Check]:
+_RUN_DIR_WRITABLE = "set run.dir to a directory rank 0 can write (or fix its permissions)"
+
+
+@dataclass
+class _Probe:
+    """Rank 0's probe file in the run directory, which every rank looks for once the group
+    has started; and the disk room there, as rank 0 found it."""
+
+    run_dir: Any
+    #: The file's name and its record's token: rank 0's (None elsewhere).
+    marker: str | None
+    token: str | None
+    #: Why rank 0 could not write it; None when it could.
+    problem: str | None
+    room: Check
+
+
+@contextlib.contextmanager
+def _run_dir_probe(config: Config, env: DistEnv) -> Iterator[_Probe]:
+    """Rank 0 writes the probe before any process group starts, and removes it on leaving."""
     run_dir = run_location(config.run.dir, config.run.local_dir)
-    store = storage_of(run_dir)
-    probe = Holder.of_this_process(0)
-    marker = gather_objects(f".doctor-probe-{probe.token}")[0]  # rank 0's
-    written = None
-    if env.is_main:
-        try:
-            store.make_dirs(run_dir)
-            store.write(
-                run_dir / marker, lambda handle: handle.write(json.dumps(asdict(probe)).encode())
-            )
-        except OSError as error:
-            written = f"rank 0 cannot write in {run_dir}: {error}"
-    written = gather_objects(written)[0]
-    if written:
-        return [Check("run directory", FAIL, written, "make run.dir writable, or choose another")]
-    try:
-        token = probe.token if env.is_main else None
-        require_shared_run_dir(run_dir, config.run.dir, token, env, config.dist.timeout_s, marker)
-        shared = Check("run directory", PASS, f"every rank sees {run_dir}")
-    except LaunchMismatchError as error:
-        shared = Check("run directory", FAIL, str(error), "put run.dir where every node sees it")
-    finally:
-        if env.is_main:
-            with contextlib.suppress(OSError):
-                store.remove(run_dir / marker)
-    return [shared, _room(config, env, run_dir)]
-
-
-def _room(config: Config, env: DistEnv, run_dir: Any) -> Check:
-    """Free space for keep_last + 1 checkpoints: the newest one's size, or the model's."""
     if not env.is_main:
-        return Check("disk room", SKIP, "")
+        yield _Probe(run_dir, None, None, None, Check("disk room", SKIP, ""))
+        return
+    store = storage_of(run_dir)
+    holder = Holder.of_this_process(0)
+    marker = f".doctor-probe-{holder.token}"
+    try:
+        store.make_dirs(run_dir)
+        store.write(
+            run_dir / marker, lambda handle: handle.write(json.dumps(asdict(holder)).encode())
+        )
+    except OSError as error:
+        yield _Probe(
+            run_dir,
+            None,
+            None,
+            f"rank 0 cannot write in {run_dir}: {error}",
+            _room(config, run_dir),
+        )
+        return
+    try:
+        yield _Probe(run_dir, marker, holder.token, None, _room(config, run_dir))
+    finally:
+        with contextlib.suppress(OSError):
+            store.remove(run_dir / marker)
+
+
+def _run_dir(config: Config, env: DistEnv, probe: _Probe) -> Check:
+    """Every rank sees the probe that rank 0 wrote: the run directory is shared."""
+    marker, token, problem = gather_objects((probe.marker, probe.token, probe.problem))[0]
+    if problem:
+        return Check("run directory", FAIL, problem, _RUN_DIR_WRITABLE)
+    try:
+        require_shared_run_dir(
+            probe.run_dir, config.run.dir, token, env, config.dist.timeout_s, marker
+        )
+    except LaunchMismatchError as error:
+        fix = "set run.dir to a path every node mounts, or to an object store (s3://...)"
+        return Check("run directory", FAIL, str(error), fix)
+    return Check("run directory", PASS, f"every rank sees {probe.run_dir}")
+
+
+def _room(config: Config, run_dir: Any) -> Check:
+    """Free space for keep_last + 1 checkpoints: the newest one's size, or the model's."""
     keep = config.checkpoint.keep_last + 1
     newest = latest_checkpoint(run_dir)
     if newest is not None:
@@ -258,7 +355,7 @@ def _room(config: Config, env: DistEnv, run_dir: Any) -> Check:
     if free is None:
         return Check("disk room", PASS, f"{run_dir} is an object store: {needed}")
     verdict = PASS if free >= keep * size else WARN if free >= size else FAIL
-    fix = "" if verdict == PASS else "free space, lower checkpoint.keep_last, or move run.dir"
+    fix = "" if verdict == PASS else "free space there, lower checkpoint.keep_last, or move run.dir"
     return Check("disk room", verdict, f"{_gb(free)} free in {run_dir}; needs {needed}", fix)
 
 
@@ -280,24 +377,43 @@ def _clock_skew(config: Config, env: DistEnv) -> list[Check]:
 # --- network ----------------------------------------------------------------------------------
 
 
-def _network(config: Config, env: DistEnv) -> list[Check]:
+def _here(config: Config, env: DistEnv) -> dict[str, Any]:
+    """What this rank finds on its host with no other rank: the interface gloo uses, the
+    interfaces the variables name, the variables, the locked-memory limit, the cores."""
     address = network.gloo_address()
-    interfaces = network.interfaces()
-    used = next((i for i in interfaces.values() if i.address == address), None)
+    used = next((i for i in network.interfaces().values() if i.address == address), None)
     master = os.environ.get("MASTER_ADDR", "")
     try:
         master_addresses = network.resolve(master) if master else []
     except OSError:
         master_addresses = []
-    mine = {
+    variables = {  # the interfaces' names may differ between hosts: "socket ifnames" checks them
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith(_ENV_PREFIXES) and k not in network.SOCKET_INTERFACE_VARIABLES
+    }
+    return {
         "host": socket.gethostname(),
         "gloo": used.describe() if used else address,
+        "link_mbps": used.speed_mbps if used else None,
         "loopback": network.is_loopback(address),
         "master_loopback": bool(master_addresses)
         and all(map(network.is_loopback, master_addresses)),
-        "problems": network.interface_problems(),
+        "problems": network.interface_problems() if env.world_size > 1 else [],
+        "variables": variables,
+        "memlock": resource.getrlimit(resource.RLIMIT_MEMLOCK)[0],
+        "cores": usable_cores(),
+        "affinity": affinity_cores(),
     }
-    everyone = gather_objects(mine)
+
+
+def _host_checks(config: Config, everyone: list[dict[str, Any]]) -> list[Check]:
+    """The hosts' checks, from what each rank found on its own (`_here`): every rank's, or
+    this rank's alone."""
+    return [*_network(everyone), *_environment(everyone), _cores(config, everyone)]
+
+
+def _network(everyone: list[dict[str, Any]]) -> list[Check]:
     hosts = {entry["host"] for entry in everyone}
     seen = "; ".join(sorted({f"{entry['host']}: {entry['gloo']}" for entry in everyone}))
     checks = [Check("interfaces", PASS, f"gloo uses {seen}")]
@@ -308,6 +424,7 @@ def _network(config: Config, env: DistEnv) -> list[Check]:
     else:
         checks.append(Check("socket ifnames", PASS, "GLOO_/NCCL_SOCKET_IFNAME name existing ones"))
     if len(hosts) > 1:
+        master = os.environ.get("MASTER_ADDR", "")
         odd = [rank for rank, entry in enumerate(everyone) if entry["master_loopback"]]
         loops = [rank for rank, entry in enumerate(everyone) if entry["loopback"]]
         if odd:
@@ -377,26 +494,16 @@ def _nccl_transport(device: torch.device, log_dir: Path | None) -> Check:
     return Check("nccl transport", PASS, value)
 
 
-def _environment(config: Config, env: DistEnv) -> list[Check]:
-    # The interfaces' names may differ between hosts: "socket ifnames" checks they exist.
-    variables = {
-        k: v
-        for k, v in os.environ.items()
-        if k.startswith(_ENV_PREFIXES) and k not in network.SOCKET_INTERFACE_VARIABLES
-    }
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    cores, affinity = usable_cores(), affinity_cores()
-    everyone = gather_objects(
-        {"variables": variables, "memlock": soft, "cores": cores, "affinity": affinity}
-    )
+def _environment(everyone: list[dict[str, Any]]) -> list[Check]:
     checks = []
     lines = differences(dict(enumerate(e["variables"] for e in everyone)), roster())
-    shown = ", ".join(f"{k}={v}" for k, v in sorted(variables.items())) or "none set"
+    shown = ", ".join(f"{k}={v}" for k, v in sorted(everyone[0]["variables"].items()))
     if lines:
         fix = "set them alike on every node, unless the hardware differs (interface names)"
         checks.append(Check("environment", WARN, "differ: " + " | ".join(lines), fix))
     else:
-        checks.append(Check("environment", PASS, f"alike on every rank: {shown}"))
+        where = "alike on every rank" if len(everyone) > 1 else "on this rank"
+        checks.append(Check("environment", PASS, f"{where}: {shown or 'none set'}"))
     limited = [r for r, e in enumerate(everyone) if e["memlock"] != resource.RLIM_INFINITY]
     if limited and torch.cuda.is_available():
         checks.append(
@@ -422,6 +529,7 @@ def _environment(config: Config, env: DistEnv) -> list[Check]:
             )
         )
     else:
+        cores = everyone[0]["cores"]
         checks.append(Check("cpu limit", PASS, f"{cores} usable core(s) here, no lower limit"))
     return checks
 
@@ -582,7 +690,6 @@ def _data(config: Config, env: DistEnv, device: torch.device) -> list[Check]:
         )
         checks.append(Check("loader", WARN, value + ": the loader would hold training back", fix))
     checks.append(_shared_memory(workers))
-    checks.append(_cores(config, env))
     in_effect = f"pin_memory {'on' if pinned else 'off'}, persistent workers "
     in_effect += f"{'on' if persistent else 'off'}, prefetch {config.data.prefetch_factor}"
     checks.append(Check("loader options", PASS, in_effect + _options_note(device, workers)))
@@ -611,14 +718,17 @@ def _shared_memory(workers: int) -> Check:
     return Check("/dev/shm", PASS, value)
 
 
-def _cores(config: Config, env: DistEnv) -> Check:
-    ranks = roster().ranks_on(socket.gethostname()) or env.world_size
-    cores = usable_cores()
-    workers = loader_workers(config.data, ranks, cores)
-    everyone = gather_objects((socket.gethostname(), ranks, workers, cores))
-    crowded = sorted({host for host, r, w, c in everyone if r * w > c})
+def _cores(config: Config, everyone: list[dict[str, Any]]) -> Check:
+    ranks = collections.Counter(entry["host"] for entry in everyone)
+    if len(everyone) == 1:  # alone: torchrun says how many ranks share this host
+        ranks[everyone[0]["host"]] = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    found = set()
+    for entry in everyone:
+        host, cores = entry["host"], entry["cores"]
+        found.add((host, ranks[host], loader_workers(config.data, ranks[host], cores), cores))
+    crowded = sorted({host for host, r, w, c in found if r * w > c})
     value = "; ".join(
-        sorted({f"{h}: {r} rank(s) x {w} worker(s), {c} cores" for h, r, w, c in everyone})
+        sorted(f"{h}: {r} rank(s) x {w} worker(s), {c} cores" for h, r, w, c in found)
     )
     if crowded:
         fix = "lower data.num_workers (auto follows the cores)"

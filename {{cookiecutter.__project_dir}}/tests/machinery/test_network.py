@@ -1,5 +1,5 @@
-"""The network facts the launchers and the doctor check: addresses, loopback, interfaces,
-link speeds."""
+"""The network facts the launchers, training and the doctor check: addresses, loopback,
+interfaces, link speeds."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from {{ cookiecutter.package_name }} import train
 from {{ cookiecutter.package_name }}.cluster import network
+
+from ..helpers import FAST
 
 pytestmark = pytest.mark.standalone
 
@@ -81,3 +84,18 @@ def test_a_link_speed_is_taken_from_a_nic_and_not_from_a_virtual_interface(
     speeds = {name: found.speed_mbps for name, found in network.interfaces().items()}
     assert speeds == {"eth0": 25000, "eth0.7": 25000, "veth0": None}
 
+
+def test_training_under_plain_torchrun_refuses_a_missing_interface_in_one_message(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Rank 1 of 2, as torchrun or srun start it, where no launcher checked the interfaces:
+    exit 2 with the variable and the interfaces there, not gloo's `enforce fail`. (Without a
+    rendezvous address it has no other rank to tell.)"""
+    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuch0")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert train.main([*FAST, f"run.dir={tmp_path}"]) == 2
+    [message] = capsys.readouterr().err.strip().splitlines()
+    assert message.startswith("error: GLOO_SOCKET_IFNAME=nosuch0: this machine (")
+    assert "has no interface named 'nosuch0'; its interfaces: " in message
