@@ -215,7 +215,7 @@ def test_the_doctor_passes_on_two_healthy_hosts(
     for name in ("agreement", "run directory", "loopback", "busbw gloo", "host pairs"):
         assert verdicts[name] == "PASS", document
     assert [host["host"] for host in document["roster"]] == list(NAMES)
-    assert re.search(r"PASS  host pairs +gloo busbw at 16 MiB: alpha-beta", runs["beta"].log)
+    assert re.search(r"PASS  host pairs +gloo busbw up to 16 MiB: alpha-beta", runs["beta"].log)
 
 
 def _other_release(project: Path, tmp_path: Path) -> Path:

@@ -88,7 +88,8 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
     tests["task"] += ["stop_signal", "timeouts", "trainer", "weights"]
     tests["machinery"] += ["data", "distributed_env", "divergence_guard", "doctor"]
     tests["machinery"] += ["flight_recorder", "gpu_check"]
-    tests["machinery"] += ["launch", "network", "plot", "moved_modules", "run_lock", "storage"]
+    tests["machinery"] += ["launch", "nccl_log", "network", "plot", "moved_modules", "run_lock"]
+    tests["machinery"] += ["storage"]
     tests["machinery"] += ["optimizer", "stragglers", "throughput"]
     for folder, names in tests.items():
         files.add(f"tests/{folder}/__init__.py")
@@ -102,7 +103,7 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
     modules += ["checkpointing/checkpointer"]
     modules += [f"checkpointing/{name}" for name in ("layout", "newest_intact", "retention")]
     modules += [f"checkpointing/{name}" for name in ("resume", "run_lock", "storage", "weights")]
-    modules += [f"cluster/{name}" for name in ("agreement", "distributed", "network")]
+    modules += [f"cluster/{name}" for name in ("agreement", "distributed", "nccl_log", "network")]
     modules += [f"faults/{name}" for name in ("flight_recorder", "parent_watch", "signals")]
     modules += [f"faults/{name}" for name in ("stopping", "watchdog")]
     modules += ["loading/data"]
