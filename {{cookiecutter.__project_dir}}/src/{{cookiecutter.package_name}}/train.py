@@ -39,6 +39,7 @@ from .cluster.agreement import (
     require_shared_run_dir,
     roster,
 )
+from .cluster.debug_output import debug_dir
 from .cluster.distributed import (
     CollectiveInEvaluationError,
     DistEnv,
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                 agree=lambda store, device: _agree(store, device, config, env),
                 starting=startup_bounded(stop, env, config.dist.timeout_s),
                 comm_traces=traces_dir(local_dir),
+                debug_output=debug_dir(local_dir) if config.dist.debug else None,
             ) as device,
             owned_run_dir(run_dir, env) as lock,
             stop_deadline(stop, env, local_dir, config),
