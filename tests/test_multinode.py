@@ -198,12 +198,16 @@ def test_two_hosts_train_as_one_job(cluster: Cluster, project: Path, tmp_path: P
 def test_the_doctor_passes_on_two_healthy_hosts(
     cluster: Cluster, project: Path, tmp_path: Path
 ) -> None:
+    """Two ranks on each host: the pair of hosts is measured between their first ranks while
+    the others wait."""
     report = tmp_path / "report.json"
+    two_each = {"NPROC_PER_NODE": "2"}
     runs = run_nodes(
         cluster,
         project,
         tmp_path,
         ["--doctor", "--json", str(report), f"run.dir={tmp_path / 'run'}"],
+        envs=(two_each, two_each),
         bound_s=120,
     )
     assert_statuses(runs, {"alpha": 0, "beta": 0})
