@@ -26,36 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from {{ cookiecutter.package_name }}.cluster.distributed import DistEnv
 from {{ cookiecutter.package_name }}.config import load_config
 from {{ cookiecutter.package_name }}.loading.data import build_train_loader
-from {{ cookiecutter.package_name }}.loading.shards import Manifest, TokenWindows, write_manifest
+from {{ cookiecutter.package_name }}.loading.shards import TokenWindows, random_shards
 from {{ cookiecutter.package_name }}.prepare import main as prepare
-from {{ cookiecutter.package_name }}.prepare import write_shard
-
-#: Tokens per shard of the random corpora: 100M, as prepare writes by default.
-SHARD_TOKENS = 100_000_000
-
-
-def random_shards(directory: Path, gigabytes: float) -> Path:
-    """A shard directory of random uint16 tokens, `gigabytes` of them in the train split."""
-    directory.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    manifest = Manifest({"kind": "byte", "vocab_size": 65536}, "uint16", SHARD_TOKENS, {})
-    splits = {"train": int(gigabytes * 1e9) // 2, "eval": 10_000}
-    for split, tokens in splits.items():
-        for index, start in enumerate(range(0, tokens, SHARD_TOKENS)):
-            count = min(SHARD_TOKENS, tokens - start)
-            name = f"{split}_{index:06d}.bin"
-            shard = rng.integers(0, 65536, count, dtype=np.uint16)
-            digest = write_shard(directory / name, [shard])
-            manifest.splits[split].append({"file": name, "tokens": count, "sha256": digest})
-    manifest.complete = True
-    write_manifest(directory, manifest)
-    return directory
 
 
 def read_batches(
@@ -168,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rss = {}
         for gigabytes in args.sizes_gb:
-            directory = random_shards(root / f"tokens-{gigabytes}", gigabytes)
+            tokens = {"train": int(gigabytes * 1e9) // 2, "eval": 10_000}  # uint16: 2 bytes each
+            directory = random_shards(root / f"tokens-{gigabytes}", 65536, tokens)
             rss[f"{gigabytes:g}GB"] = in_fresh_process(
                 directory, args.batches, args.block_size, args.overrides
             )

@@ -31,6 +31,7 @@ from .checkpointing.retention import remove_foreign_staging
 from .checkpointing.run_lock import EXIT_RUN_DIR_BUSY, RunDirBusyError, RunLock, owned_run_dir
 from .checkpointing.storage import Location, ObjectPath, local_dir_of, run_location
 from .checkpointing.weights import WeightsError
+from .cluster import network
 from .cluster.agreement import (
     LaunchIncompleteError,
     agree_on_launch,
@@ -39,6 +40,7 @@ from .cluster.agreement import (
     require_shared_run_dir,
     roster,
 )
+from .cluster.debug_output import debug_dir
 from .cluster.distributed import (
     CollectiveInEvaluationError,
     DistEnv,
@@ -115,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(to_yaml(config), end="")
         return 0
+    if not interfaces_present(env):
+        return 2
     setup_logging(env.rank)  # stderr until the job owns its run directory
 
     run_dir = run_location(config.run.dir, config.run.local_dir)
@@ -133,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 agree=lambda store, device: _agree(store, device, config, env),
                 starting=startup_bounded(stop, env, config.dist.timeout_s),
                 comm_traces=traces_dir(local_dir),
+                debug_output=debug_dir(local_dir) if config.dist.debug else None,
             ) as device,
             owned_run_dir(run_dir, env) as lock,
             stop_deadline(stop, env, local_dir, config),
@@ -225,12 +230,31 @@ def checked_config(
         return config
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
-        if tell and env.world_size > 1:
-            _tell_the_other_ranks(env, str(error))
+        if tell:
+            tell_the_other_ranks(env, str(error))
         return None
 
 
-def _tell_the_other_ranks(env: DistEnv, reason: str) -> None:
+def interfaces_present(env: DistEnv) -> bool:
+    """Whether the interfaces that GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME name are on this
+    host, as the launcher checks them (network.interface_problems). Under plain torchrun or
+    srun nothing else does: gloo's process group would fail with `enforce fail ... Unable to
+    find address for: NAME`, NCCL's finding no socket interface. A refusal is printed and the
+    other ranks are told, so that they stop too (exit 2). A single process opens no socket."""
+    problems = network.interface_problems() if env.world_size > 1 else []
+    if problems:
+        reason = "\n".join(problems)
+        print(f"error: {reason}", file=sys.stderr)
+        tell_the_other_ranks(env, reason)
+    return not problems
+
+
+def tell_the_other_ranks(env: DistEnv, reason: str) -> None:
+    """Stop the other ranks of a job that this rank cannot train in (exit 2 there, `reason`
+    named), through the rendezvous store, before they wait for it in the process group's
+    start; nothing to tell for a single process, or without a rendezvous address."""
+    if env.world_size == 1:
+        return
     try:
         store = open_store(env, timedelta(seconds=DistConfig().timeout_s))
     except (RuntimeError, ValueError):  # no rendezvous address, or nobody there

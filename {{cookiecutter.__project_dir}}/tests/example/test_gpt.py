@@ -11,7 +11,7 @@ import torch
 
 from {{ cookiecutter.package_name }}.checkpointing.weights import export_weights
 from {{ cookiecutter.package_name }}.config import ConfigError, load_config, to_yaml
-from {{ cookiecutter.package_name }}.loading.shards import read_manifest
+from {{ cookiecutter.package_name }}.loading.shards import random_shards, read_manifest
 from {{ cookiecutter.package_name }}.prepare import main as prepare
 from {{ cookiecutter.package_name }}.task import VOCAB_SIZE, Task, TaskConfig, generate_text
 from {{ cookiecutter.package_name }}.training.trainer import Trainer
@@ -196,6 +196,16 @@ def test_presets_load_and_build_the_model_they_name(preset: str, num_params: int
     with torch.device("meta"):  # shapes only: no memory, no initialisation
         model = Task(config.task, seed=0).build_model()
     assert sum(param.numel() for param in model.parameters()) == num_params
+
+
+def test_the_gpt2_124m_preset_on_gpt2s_vocabulary_is_gpt2_124m(tmp_path: Path) -> None:
+    """What `make gpu-check` measures (benchmarks/gpu_check.py): the preset's layers with
+    random tokens of GPT-2's 50,257, not 256 bytes: 124.4M parameters, not 86.0M."""
+    tokens = random_shards(tmp_path / "tokens", 50_257, {"train": 2050, "eval": 1025})
+    config = load_config(PROJECT_ROOT / "configs" / "gpt2-124m.yaml", [f"task.data_dir={tokens}"])
+    with torch.device("meta"):
+        model = Task(config.task, seed=0).build_model()
+    assert sum(param.numel() for param in model.parameters()) == 124_439_808
 
 
 def _eval_loss_before_and_after_training(rank: int, world_size: int, run_dir: Path) -> tuple:

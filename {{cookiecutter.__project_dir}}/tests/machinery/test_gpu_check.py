@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from ..helpers import BENCHMARKS, load_benchmark
 
@@ -30,16 +31,33 @@ def test_without_a_gpu_it_says_so_and_exits_2_at_once() -> None:
 def test_the_table_has_a_line_on_the_machine_then_a_row_per_check() -> None:
     rows = [
         Row("GPU tests (`pytest -m gpu`)", "passed", "5 passed, 2 skipped, 0 failed in 95 s"),
-        Row("doctor", "failed", "1 FAIL (fabric | x),\n0 WARN"),
+        Row("doctor", "failed", "1 FAIL (fabric | x),\n0 WARN", "torch 2.13.0, H100"),
     ]
     assert gpu_check.table("1 x H100", rows).splitlines() == [
         "1 x H100",
         "",
-        "| check | result | figures |",
-        "| --- | --- | --- |",
-        "| GPU tests (`pytest -m gpu`) | passed | 5 passed, 2 skipped, 0 failed in 95 s |",
-        "| doctor | failed | 1 FAIL (fabric \\| x), 0 WARN |",
+        "| check | result | figures | measured with |",
+        "| --- | --- | --- | --- |",
+        "| GPU tests (`pytest -m gpu`) | passed | 5 passed, 2 skipped, 0 failed in 95 s |  |",
+        "| doctor | failed | 1 FAIL (fabric \\| x), 0 WARN | torch 2.13.0, H100 |",
     ]
+
+
+def test_every_row_says_which_torch_and_gpu_it_was_measured_with(tmp_path: Path) -> None:
+    def piece(check: str, workdir: Path, limit_s: float) -> list:
+        return [Row(check, "measured", "1 tokens/s"), Row(f"{check}, again", "measured")]
+
+    rows = gpu_check.run_pieces(tmp_path, 10, [("a", 1.0, piece)], "torch 2.13.0+cu130, H200")
+    assert [row.measured_with for row in rows] == ["torch 2.13.0+cu130, H200"] * 2
+
+
+def test_a_torch_older_than_the_projects_floor_is_refused() -> None:
+    """Its figures would not stand for the project (they were once measured with 2.11)."""
+    floor = gpu_check.TORCH_FLOOR
+    assert gpu_check.below_floor("2.11.0+cu130")
+    assert not gpu_check.below_floor(f"{floor}.0+cu130")
+    assert not gpu_check.below_floor(f"{floor}.1")
+    assert not gpu_check.below_floor(f"{floor}.0a0+ecf3bae40a.nv25.10")  # NVIDIA's containers
 
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
@@ -116,6 +134,66 @@ def test_the_pieces_share_the_budget_and_those_past_it_are_not_run(
     assert rows[2] == Row("c", "not run", "the 150 s budget was spent")
 
 
+#: What `torchfrtrace -v` lists for the NCCL failure row's dump (its Collectives line, cut).
+FR_TRACE_COLLECTIVES = (
+    "Collectives\n[Collective(id=0, group_id='0', pass_check=True, collective_seq_id=1, "
+    "p2p_seq_id=0, record_id=0, pg_desc='0:default_pg', collective_name='nccl:all_reduce', "
+    "input_sizes=[[1048576]], output_sizes=[[1048576]], expected_ranks={0}, "
+    "collective_state='completed', collective_frames=[]), Collective(id=1, group_id='0', "
+    "pass_check=True, collective_seq_id=2, p2p_seq_id=0, record_id=1, "
+    "pg_desc='0:default_pg', collective_name='nccl:all_reduce', input_sizes=[[1048576]], "
+    "output_sizes=[[1048576]], expected_ranks={0}, collective_state='scheduled', "
+    "collective_frames=[{'name': 'hang_in_nccl', 'filename': 'gpu_check.py', 'line': 316}])]"
+)
+
+
+def _failed_run(run_dir: Path, dump: bool = True, stacks: bool = True) -> None:
+    """What NCCL's watchdog leaves in the row's run directory."""
+    if dump:
+        (run_dir / "comm_traces").mkdir(parents=True)
+        (run_dir / "comm_traces" / "rank_0").write_bytes(b"pickled entries")
+    log = "Fatal Python error: Aborted\n\nCurrent thread 0x7f (most recent call first):\n"
+    log += '  File "benchmarks/gpu_check.py", line 316 in hang_in_nccl\n'
+    (run_dir / "train.log").write_text(log if stacks else "")
+
+
+def test_the_nccl_timeout_row_passes_on_the_dump_the_named_collective_and_the_stacks(
+    tmp_path: Path,
+) -> None:
+    _failed_run(tmp_path)
+    finished = gpu_check.Finished(status=-6, output="", seconds=27.4)
+    row = gpu_check.nccl_failure_row("NCCL timeout", finished, tmp_path, FR_TRACE_COLLECTIVES)
+    assert row == Row(
+        "NCCL timeout",
+        "passed",
+        "exit status -6 after 27 s (timeout 10 s); comm_traces/rank_0 written; torchfrtrace "
+        "names nccl:all_reduce #2 (scheduled); the stacks in train.log",
+    )
+
+
+def test_the_nccl_timeout_row_names_each_thing_missing(tmp_path: Path) -> None:
+    _failed_run(tmp_path, dump=False, stacks=False)
+    finished = gpu_check.Finished(status=-6, output="", seconds=75.0)
+    row = gpu_check.nccl_failure_row("NCCL timeout", finished, tmp_path, "no dump found")
+    assert row.result == "failed"
+    assert row.figures == (
+        f"the process did not end within 60 s; no flight recorder dump at "
+        f"{tmp_path}/comm_traces/rank_0; torchfrtrace names no unfinished collective; the "
+        "rank's Python stacks are not in train.log"
+    )
+
+
+def test_the_nccl_timeout_row_skips_saying_why_on_a_torch_without_nccl(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(gpu_check.dist, "is_nccl_available", lambda: False)
+    [row] = gpu_check.nccl_failure("NCCL timeout", tmp_path, 75.0)
+    assert (row.result, row.figures) == (
+        "skipped",
+        f"this torch ({torch.__version__}) is built without NCCL",
+    )
+
+
 def test_the_checkpoint_stall_rows_give_the_synchronous_wait_and_the_background_pause() -> None:
     record = {
         "state_bytes": 1.01e9,
@@ -168,10 +246,10 @@ def test_the_mfu_of_a_gpu_whose_peak_is_not_listed_is_said_to_be_unknown() -> No
 def test_the_gpt_throughput_is_left_out_of_a_classifier_project_saying_why(
     tmp_path: Path,
 ) -> None:
-    rows = gpu_check.gpt_left_out("`gpt` at GPT-2 124M's shape", tmp_path, 0.0)
+    rows = gpu_check.gpt_left_out("`gpt` as GPT-2 124M", tmp_path, 0.0)
     assert rows == [
         Row(
-            "`gpt` at GPT-2 124M's shape",
+            "`gpt` as GPT-2 124M",
             "left out",
             "this project's example is the classifier; a project rendered with example=gpt "
             "measures it",

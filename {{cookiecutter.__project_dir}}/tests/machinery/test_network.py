@@ -1,10 +1,16 @@
-"""The network facts the launchers and the doctor check: addresses, loopback, interfaces."""
+"""The network facts the launchers, training and the doctor check: addresses, loopback,
+interfaces, link speeds."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from {{ cookiecutter.package_name }} import train
 from {{ cookiecutter.package_name }}.cluster import network
+
+from ..helpers import FAST
 
 pytestmark = pytest.mark.standalone
 
@@ -60,3 +66,36 @@ def test_nccl_interfaces_are_prefixes_unless_exact_and_exclusions_are_not_checke
 
 def test_gloo_uses_the_address_of_the_interface_it_is_given() -> None:
     assert network.gloo_address({"GLOO_SOCKET_IFNAME": "lo"}) == "127.0.0.1"
+
+
+def test_a_link_speed_is_taken_from_a_nic_and_not_from_a_virtual_interface(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A veth (a container's eth0, a namespace's link) says 10000 Mb/s whatever carries it; a
+    NIC's speed, and that of a VLAN stacked on it, is the link's."""
+    for name, speed in (("eth0", "25000"), ("eth0.7", "25000"), ("veth0", "10000")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "speed").write_text(f"{speed}\n")
+    (tmp_path / "eth0" / "device").mkdir()
+    (tmp_path / "eth0.7" / "lower_eth0").mkdir()
+    monkeypatch.setattr(network, "SYS_NET", tmp_path)
+    names = [(1, "eth0"), (2, "eth0.7"), (3, "veth0")]
+    monkeypatch.setattr(network.socket, "if_nameindex", lambda: names)
+    speeds = {name: found.speed_mbps for name, found in network.interfaces().items()}
+    assert speeds == {"eth0": 25000, "eth0.7": 25000, "veth0": None}
+
+
+def test_training_under_plain_torchrun_refuses_a_missing_interface_in_one_message(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Rank 1 of 2, as torchrun or srun start it, where no launcher checked the interfaces:
+    exit 2 with the variable and the interfaces there, not gloo's `enforce fail`. (Without a
+    rendezvous address it has no other rank to tell.)"""
+    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuch0")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert train.main([*FAST, f"run.dir={tmp_path}"]) == 2
+    [message] = capsys.readouterr().err.strip().splitlines()
+    assert message.startswith("error: GLOO_SOCKET_IFNAME=nosuch0: this machine (")
+    assert "has no interface named 'nosuch0'; its interfaces: " in message

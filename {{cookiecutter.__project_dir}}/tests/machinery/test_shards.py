@@ -18,6 +18,7 @@ from {{ cookiecutter.package_name }}.loading.shards import (
     ShardError,
     TokenWindows,
     main,
+    random_shards,
     token_dtype,
     verify_shards,
     write_manifest,
@@ -170,3 +171,16 @@ def test_the_batches_do_not_depend_on_ranks_or_workers_and_resume_mid_epoch(
     assert len(one) == len(windows) // 8
     assert _global_batches(windows, world_size=2, workers=2) == one
     assert _global_batches(windows, world_size=2, workers=0, start=2) == one[2:]
+
+
+def test_random_shards_hold_a_vocabularys_ids_whole_and_checked(tmp_path: Path) -> None:
+    """What the benchmarks train on at GPT-2's vocabulary: uint16 ids below 50,257, in shards
+    whose checksums hold, read as windows like prepared ones."""
+    directory = random_shards(tmp_path / "random", 50_257, {"train": 5000, "eval": 100}, 2000)
+    manifest = verify_shards(directory, checksums=True)
+    assert (manifest.vocab_size, manifest.dtype) == (50_257, "uint16")
+    assert [shard["tokens"] for shard in manifest.splits["train"]] == [2000, 2000, 1000]
+    windows = TokenWindows(directory, "train", BLOCK)
+    ids = torch.cat([windows[index][0] for index in range(len(windows))])
+    assert len(windows) == 4999 // BLOCK
+    assert 40_000 < int(ids.max()) < 50_257  # the whole vocabulary, and no id past it

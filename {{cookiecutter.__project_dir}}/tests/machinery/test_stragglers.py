@@ -250,3 +250,33 @@ def test_without_profile_nvtx_a_step_pushes_no_range(
     assert not trainer.ranges.enabled
     train_steps(trainer, 1)
     assert pushed == []
+
+
+def test_the_gpu_busy_share_is_the_mean_over_the_window_not_the_reading_at_its_end() -> None:
+    """Busy 90% through the window, 10% as the log line is written (the point the log line
+    showed before): readings at steps 1/6 s apart, counted on a fake clock."""
+    now = [0.0]
+    busy = stragglers.BusyShare(
+        torch.device("cuda", 0), read=lambda device: 90.0, clock=lambda: now[0]
+    )
+    for _ in range(12):  # a step every 0.05 s for 0.6 s: read at 0, 0.2 and 0.4 s
+        busy.at_step()
+        now[0] += 0.05
+    assert busy.window_mean(at_log_line=10.0) == pytest.approx((3 * 90.0 + 10.0) / 4)
+    assert busy.window_mean(at_log_line=50.0) == 50.0  # the next window starts empty
+
+
+def test_a_gpu_without_nvml_is_read_no_more_after_the_first_failure() -> None:
+    calls = []
+
+    def no_library(device: torch.device) -> float:
+        calls.append(device)
+        raise ModuleNotFoundError("nvidia-ml-py does not seem to be installed")
+
+    busy = stragglers.BusyShare(
+        torch.device("cuda", 0), read=no_library, clock=iter(range(9)).__next__
+    )
+    for _ in range(5):
+        busy.at_step()
+    assert len(calls) == 1
+    assert math.isnan(busy.window_mean(at_log_line=math.nan))

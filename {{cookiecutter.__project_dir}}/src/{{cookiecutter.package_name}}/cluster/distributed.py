@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..config import ConfigError, DistConfig
 from ..faults.flight_recorder import record_collectives
+from .debug_output import turn_on
 
 #: Set by process_group(); None for a single process, and in tests that start their own group.
 _control_group: dist.ProcessGroup | None = None
@@ -207,6 +208,7 @@ def process_group(
     agree: Callable[[dist.Store, torch.device], object] | None = None,
     starting: AbstractContextManager | None = None,
     comm_traces: Path | None = None,
+    debug_output: Path | None = None,
 ) -> Iterator[torch.device]:
     """Start the process group (if there is more than one rank) and always tear it down.
 
@@ -219,7 +221,8 @@ def process_group(
     group starts (agreement.py: the ranks compare how they were launched). `starting` is
     entered around the whole start (watchdog.startup_bounded: a bound, and stop signals).
     With `comm_traces`, an NCCL group's flight recorder writes there when a collective times
-    out (flight_recorder.py).
+    out (flight_recorder.py). With `debug_output` (dist.debug), NCCL's and torch.distributed's
+    debug output are turned on as the group starts, NCCL's log written there (debug_output.py).
 
     On success every rank meets at a barrier before leaving, so no rank exits while another still
     needs it. On an exception there is no barrier (the peers may be gone or hung): the group is
@@ -229,7 +232,7 @@ def process_group(
     if env.world_size > 1:
         with starting or nullcontext():
             try:
-                _start(env, config, device, agree, comm_traces)
+                _start(env, config, device, agree, comm_traces, debug_output)
             except BaseException:
                 destroy_process_groups()
                 raise
@@ -252,6 +255,7 @@ def _start(
     device: torch.device,
     agree: Callable[[dist.Store, torch.device], object] | None,
     comm_traces: Path | None,
+    debug_output: Path | None,
 ) -> None:
     """Meet in the rendezvous store, agree, then start the default group and the gloo ones."""
     global _store
@@ -262,6 +266,8 @@ def _start(
         agree(_store, device)
     if backend == "nccl" and comm_traces is not None:  # torch reads them as the group starts
         record_collectives(config.flight_recorder_entries, comm_traces, env.rank, env.local_rank)
+    if debug_output is not None:
+        turn_on(debug_output, env.rank, env.local_rank)
     options: dict[str, Any] = {}
     if backend != "mpi":  # MPI knows its ranks and needs no store
         options = {"store": dist.PrefixStore("default_pg", _store)}

@@ -21,6 +21,8 @@ from pathlib import Path
 
 #: The variables that name the interfaces gloo and NCCL use between nodes.
 SOCKET_INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+#: Where Linux describes each interface.
+SYS_NET = Path("/sys/class/net")
 _SIOCGIFADDR = 0x8915
 _IFF_LOOPBACK = 0x8
 
@@ -34,7 +36,8 @@ class Interface:
     address: str | None
     is_loopback: bool
     is_up: bool
-    #: Link speed in Mb/s as the kernel reports it; None where it does not (virtual links).
+    #: Link speed in Mb/s as its NIC reports it; None where no NIC does: a link that is down,
+    #: or a virtual interface (see `interfaces`).
     speed_mbps: int | None
 
     def describe(self) -> str:
@@ -44,12 +47,19 @@ class Interface:
 
 
 def interfaces() -> dict[str, Interface]:
-    """This machine's interfaces by name (Linux: from the kernel, no tool needed)."""
+    """This machine's interfaces by name (Linux: from the kernel, no tool needed).
+
+    The kernel's speed of a virtual interface is its driver's constant, not its link's: a veth
+    pair (a container's eth0, a network namespace's link) says 10000 Mb/s whatever carries it
+    or limits it (`tc`), a tun device 10. Only an interface on a device (a NIC), or stacked on
+    one (a VLAN, a bond: `lower_*` in sysfs), has its speed taken.
+    """
     found = {}
     for _, name in socket.if_nameindex():
-        sys_dir = Path("/sys/class/net") / name
+        sys_dir = SYS_NET / name
         flags = _read_int(sys_dir / "flags")
-        speed = _read_int(sys_dir / "speed")
+        on_a_nic = (sys_dir / "device").exists() or any(sys_dir.glob("lower_*"))
+        speed = _read_int(sys_dir / "speed") if on_a_nic else None
         found[name] = Interface(
             name=name,
             address=_ipv4_of(name),

@@ -352,7 +352,11 @@ class DistConfig:
     (agreement.py); `allow_mixed_devices` lets ranks with different GPU types train together.
     Under NCCL, each rank's flight recorder keeps its last `flight_recorder_entries` collectives
     and writes them to `<run.dir>/comm_traces/` when one times out, for `torchfrtrace` to name
-    the ranks that did not join (faults/flight_recorder.py; 0 turns it off).
+    the ranks that did not join (faults/flight_recorder.py; 0 turns it off). `debug` turns on,
+    for one run, NCCL's INFO log (one file per process in `<run.dir>/debug/`) and
+    torch.distributed's debug mode (TORCH_DISTRIBUTED_DEBUG=INFO; its lines need
+    TORCH_CPP_LOG_LEVEL=INFO exported before the launch); variables you exported are kept
+    (cluster/debug_output.py).
 
     DDP: gradients are all-reduced in buckets of `bucket_cap_mb`, overlapped with backward.
     `broadcast_buffers` copies rank 0's buffers (e.g. BatchNorm statistics) to the others at
@@ -392,6 +396,8 @@ class DistConfig:
     allow_mixed_devices: bool = False
     #: NCCL collectives each rank keeps, written to <run.dir>/comm_traces/ on a timeout; 0: off.
     flight_recorder_entries: int = 2000
+    #: NCCL's INFO log into <run.dir>/debug/, and torch.distributed's debug mode.
+    debug: bool = False
 
     def validate(self) -> None:
         _positive(

@@ -22,6 +22,8 @@ import os
 from collections.abc import MutableMapping
 from pathlib import Path
 
+from ..cluster.debug_output import set_unless_exported
+
 log = logging.getLogger(__name__)
 
 COMM_TRACES = "comm_traces"
@@ -72,14 +74,7 @@ def record_collectives(
     create it: one directory of a shared run directory, or one per node for the local parts of
     a run in an object store.
     """
-    applied: dict[str, str] = {}
-    kept: dict[str, str] = {}
-    for name, value in settings(entries, directory).items():
-        exported = {other: environ[other] for other in NAMES[name] if other in environ}
-        if exported:
-            kept.update(exported)
-        else:
-            environ[name] = applied[name] = value
+    applied, kept = set_unless_exported(settings(entries, directory), environ, NAMES)
     if "TORCH_FR_DUMP_TEMP_FILE" in applied and local_rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
     if rank == 0:

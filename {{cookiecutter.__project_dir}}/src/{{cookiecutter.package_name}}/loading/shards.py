@@ -137,6 +137,34 @@ def write_atomically(path: Path, data: bytes) -> None:
     os.replace(temporary, path)
 
 
+def random_shards(
+    directory: Path,
+    vocab_size: int,
+    tokens: dict[str, int],
+    shard_tokens: int = 100_000_000,
+    seed: int = 0,
+) -> Path:
+    """A complete shard directory of random tokens of a `vocab_size` vocabulary, `tokens[split]`
+    in each split: what the benchmarks train and read at a given vocabulary without a corpus
+    (a step's speed does not depend on the tokens' values)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    dtype = token_dtype(vocab_size)
+    stored = np.dtype(dtype).newbyteorder("<")
+    manifest = Manifest({"kind": "random", "vocab_size": vocab_size}, dtype, shard_tokens, {})
+    for split, count in tokens.items():
+        for index, start in enumerate(range(0, count, shard_tokens)):
+            name = f"{split}_{index:06d}.bin"
+            size = min(shard_tokens, count - start)
+            data = rng.integers(0, vocab_size, size, dtype=dtype).astype(stored).tobytes()
+            write_atomically(directory / name, data)
+            digest = hashlib.sha256(data).hexdigest()
+            manifest.splits[split].append({"file": name, "tokens": size, "sha256": digest})
+    manifest.complete = True
+    write_manifest(directory, manifest)
+    return directory
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:

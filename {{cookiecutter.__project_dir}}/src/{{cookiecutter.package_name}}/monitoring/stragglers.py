@@ -53,7 +53,8 @@ from torch.autograd import Variable
 from ..cluster.agreement import roster
 
 #: What each rank reads from its GPU at a log line, as torch.cuda reads it through NVML (or
-#: amdsmi on ROCm): name, reader, factor to the unit recorded, and how the log shows it.
+#: amdsmi on ROCm): name, reader, factor to the unit recorded, and how the log shows it. The
+#: utilisation is also read during the window, and the log shows their mean (BusyShare).
 READINGS: list[tuple[str, Callable[[torch.device], float], float, str]] = [
     ("clock_mhz", torch.cuda.clock_rate, 1.0, "{:.0f} MHz"),
     ("temperature_c", torch.cuda.temperature, 1.0, "{:.0f} C"),
@@ -61,6 +62,7 @@ READINGS: list[tuple[str, Callable[[torch.device], float], float, str]] = [
     ("power_w", torch.cuda.power_draw, 1.0 if torch.version.hip else 1e-3, "{:.0f} W"),
     ("utilization", torch.cuda.utilization, 1.0, "{:.0f}% busy"),
 ]
+_UTILIZATION = [name for name, _, _, _ in READINGS].index("utilization")
 
 _UNTIMED = nullcontext()
 #: The fewest steps of a full log window whose wait is timed.
@@ -87,6 +89,53 @@ def device_readings(device: torch.device) -> list[float]:
         except Exception:  # the library's own errors, or ModuleNotFoundError: left out
             values.append(math.nan)
     return values
+
+
+class BusyShare:
+    """How busy a GPU was over a log window: the mean of its utilisation read during the window.
+
+    NVML's utilisation is the share of its last sample period (1/6 s to 1 s, by GPU) in which a
+    kernel ran. Read once at the log line it says how busy the GPU was in that last period,
+    not over the window: the log line's "14% busy" beside an MFU of 37% was such a point. Read
+    at every step it would cost an NVML call each (tens of microseconds: a lot for a step of a
+    millisecond). So it is read at steps at least SAMPLE_S apart, NVML's shortest period, which
+    tile the window with at most six calls a second, and at the log line.
+    """
+
+    #: Seconds between two readings during a window.
+    SAMPLE_S = 1 / 6
+
+    def __init__(
+        self,
+        device: torch.device,
+        read: Callable[[torch.device], float] = torch.cuda.utilization,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.device = device
+        self._read: Callable[[torch.device], float] | None = read
+        self._clock = clock
+        self._samples: list[float] = []
+        self._last = -math.inf
+
+    def at_step(self) -> None:
+        """At each step: a reading, if SAMPLE_S has passed since the last one."""
+        if self.device.type != "cuda" or self._read is None:
+            return
+        now = self._clock()
+        if now - self._last < self.SAMPLE_S:
+            return
+        self._last = now
+        try:
+            self._samples.append(float(self._read(self.device)))
+        except Exception:  # no NVML (as in device_readings): no more tries this run
+            self._read = None
+
+    def window_mean(self, at_log_line: float) -> float:
+        """The window's mean utilisation, the reading `at_log_line` included (NaN when there
+        is none); starts the next window."""
+        samples = [value for value in (*self._samples, at_log_line) if not math.isnan(value)]
+        self._samples.clear()
+        return statistics.fmean(samples) if samples else math.nan
 
 
 def _median(values: torch.Tensor) -> float:
@@ -150,11 +199,14 @@ class Stragglers:
         #: The rank that was the slowest past the rules in the last windows, and in how many.
         self._suspect: int | None = None
         self._suspect_windows = 0
+        self.busy = BusyShare(device)
 
     def start_step(self, step: int) -> None:
-        """Before optimizer step `step` (counted from 1): whether its wait is timed."""
+        """Before optimizer step `step` (counted from 1): whether its wait is timed; the GPU's
+        utilisation read when it is due."""
         self._timing = step % self.every == 0
         self._timed_steps += self._timing
+        self.busy.at_step()
 
     def timed_backward(self, loss: torch.Tensor, reduces: bool) -> AbstractContextManager:
         """Around `loss.backward()`: when that backward reduces the gradients (the last
@@ -195,14 +247,17 @@ class Stragglers:
     def row(self) -> list[float]:
         """This rank's figures of the window, for the gather: its collective wait per timed
         step in seconds (NaN when no step of the window was timed), then its
-        `device_readings`. Starts the next window. On a GPU, call it once the device is
+        `device_readings`, the utilisation as the window's mean (BusyShare). Starts the next
+        window. On a GPU, call it once the device is
         synchronised (StepMeter.window), so that every event has its time."""
         wait_s = self._wait_s + sum(start.elapsed_time(end) for start, end in self._waits) / 1e3
         per_step = wait_s / self._timed_steps if self._timed_steps else math.nan
         self._spare.extend(event for pair in self._waits for event in pair)
         self._waits.clear()
         self._wait_s, self._timed_steps = 0.0, 0
-        return [per_step, *device_readings(self.device)]
+        readings = device_readings(self.device)
+        readings[_UTILIZATION] = self.busy.window_mean(readings[_UTILIZATION])
+        return [per_step, *readings]
 
     def report(
         self, timings: torch.Tensor, rows: torch.Tensor, steps: int
