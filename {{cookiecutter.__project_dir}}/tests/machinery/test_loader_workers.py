@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import threading
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,8 @@ def _children() -> list[int]:
     """The processes this one started, still running."""
     pids = []
     for task in Path("/proc/self/task").iterdir():
-        pids += [int(pid) for pid in (task / "children").read_text().split()]
+        with suppress(FileNotFoundError):  # a thread that ended meanwhile
+            pids += [int(pid) for pid in (task / "children").read_text().split()]
     return pids
 
 

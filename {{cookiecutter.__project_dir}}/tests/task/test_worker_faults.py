@@ -40,8 +40,11 @@ from pathlib import Path
 
 def descendants(pid):
     children = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children += [int(child) for child in (task / "children").read_text().split()]
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            children += [int(child) for child in (task / "children").read_text().split()]
+    except FileNotFoundError:  # a process or thread that ended meanwhile
+        pass
     return children + [grandchild for child in children for grandchild in descendants(child)]
 
 

@@ -176,13 +176,7 @@ class LoaderDataset(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, item: int | tuple[int, int]) -> Any:
-        if isinstance(item, tuple):
-            item, seed = item
-            seed_sample(seed)
-        try:
-            return self.dataset[item]
-        except Exception as error:
-            raise SampleLoadError(self._failure(item, error)) from error
+        return self._fetch([item])[0]
 
     def __getitems__(self, items: list[Any]) -> list[Any]:
         """A batch's samples: the DataLoader fetches them together (through the data set's own
@@ -190,16 +184,33 @@ class LoaderDataset(Dataset):
         seeded = bool(items) and isinstance(items[0], tuple)
         if seeded and get_worker_info() is None:
             with generators_kept():
-                return [self[item] for item in items]
+                return self._fetch(items)
         fetch = getattr(self.dataset, "__getitems__", None)
         if seeded or fetch is None:
-            return [self[item] for item in items]
+            return self._fetch(items)
         try:
             return fetch(items)
         except Exception as error:
             raise SampleLoadError(self._failure(items, error)) from error
 
-    def _failure(self, index: int | list[int], error: Exception) -> str:
+    def _fetch(self, items: list[Any]) -> list[Any]:
+        """Each item's sample, seeded first where the items are (index, seed) pairs; one `try`
+        for the batch, which costs nothing until a sample fails."""
+        dataset, samples, index = self.dataset, [], None
+        append = samples.append
+        try:
+            if items and isinstance(items[0], tuple):
+                for index, seed in items:
+                    seed_sample(seed)
+                    append(dataset[index])
+            else:
+                for index in items:
+                    append(dataset[index])
+        except Exception as error:
+            raise SampleLoadError(self._failure(index, error)) from error
+        return samples
+
+    def _failure(self, index: int | list[int] | None, error: Exception) -> str:
         worker = get_worker_info()
         where = "the training process" if worker is None else f"loader worker {worker.id}"
         what = f"sample {index}" if isinstance(index, int) else f"one of samples {index}"
