@@ -77,11 +77,12 @@ class DataConfig:
     `prefetch_factor` batches ready; `persistent_workers` keeps them alive from one epoch (and
     evaluation) to the next. `auto` (the default) takes the cores each rank of the host has
     (within its CPU affinity and container limit) minus the rank's own, at most 8; one log
-    line says how many. Any number of workers from 1 up draws the same samples in the same
-    order, with random augmentation seeded per sample, so hosts with other core counts train
-    alike; 0 loads in the training process, with the rank's own random streams, and ranks
-    that would mix the two are refused. `pin_memory` speeds up copies to a GPU (ignored on
-    CPU).
+    line says how many. The workers never act on a stop signal: the rank stops and ends them.
+    Any number of workers draws the same samples in the same order, with random augmentation
+    seeded per sample; 0 loads in the training process, with the rank's own random streams
+    unless another rank has workers (then it seeds per sample too). These loader settings
+    are each host's own: hosts with other core counts train together. `pin_memory` speeds up
+    copies to a GPU (ignored on CPU).
     """
 
     #: Loader processes per rank; auto: the cores per rank minus one (at most 8); 0: none.
