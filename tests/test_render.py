@@ -87,7 +87,8 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
     tests["task"] += ["gpu", "gradients", "loss_normalisation", "object_store", "parent_death"]
     tests["task"] += ["ranks", "restart", "resume", "resume_checks", "sharding", "slow_rank"]
     tests["task"] += ["stop_signal", "timeouts", "trainer", "weights"]
-    tests["machinery"] += ["data", "distributed_env", "divergence_guard", "doctor"]
+    tests["machinery"] += ["data", "dependencies", "distributed_env", "divergence_guard"]
+    tests["machinery"] += ["doctor"]
     tests["machinery"] += ["flight_recorder", "gpu_check"]
     tests["machinery"] += ["launch", "network", "plot", "moved_modules", "run_lock", "storage"]
     tests["machinery"] += ["optimizer", "stragglers", "throughput"]
@@ -95,7 +96,7 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
         files.add(f"tests/{folder}/__init__.py")
         files |= {f"tests/{folder}/test_{name}.py" for name in names}
     files.add("tests/example/__init__.py")
-    modules = ["__init__", "cli", "contract", "doctor", "errors", "launch"]
+    modules = ["__init__", "cli", "contract", "dependencies", "doctor", "errors", "launch"]
     modules += ["plot", "task", "train"]
     modules += ["checkpointing/__init__", "cluster/__init__", "faults/__init__"]
     modules += ["config/__init__", "config/loader", "config/schema"]

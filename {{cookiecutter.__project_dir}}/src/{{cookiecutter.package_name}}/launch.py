@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .cluster import network
+from .dependencies import require_installed
 
 #: The variable that tells a training process where to record its exit status.
 STATUS_DIR_VARIABLE = "TRAINING_STATUS_DIR"
@@ -699,6 +700,7 @@ def main(argv: list[str] | None = None) -> int:
     if not arguments or arguments[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if arguments else 2
+    require_installed()
     return run(arguments)
 
 

@@ -6,12 +6,15 @@ Running it again with the same run directory resumes from the newest complete ch
 
 from __future__ import annotations
 
+from .dependencies import require_installed
 from .faults.signals import record_early, release_early
 
 if __name__ == "__main__":
     # Before the heavy imports (torch takes seconds): a stop signal that arrives meanwhile is
-    # recorded and acted on once training can save, instead of killing the process.
+    # recorded and acted on once training can save, instead of killing the process; a package
+    # the project needs and this environment lacks is named in one line (exit 2).
     record_early()
+    require_installed()
 
 import argparse
 import logging
