@@ -56,7 +56,7 @@ from .faults.flight_recorder import traces_dir
 from .faults.parent_watch import launcher_watched
 from .faults.stopping import EXIT_INTERRUPTED, StopRequests
 from .faults.watchdog import aborts_reported, hangs_reported, startup_bounded, stop_deadline
-from .launch import exit_status_recorded
+from .launch import exit_status_recorded, record_run_dir
 from .monitoring.logs import log_file_name, setup_logging
 from .monitoring.metrics import MetricsLogger
 {%- if cookiecutter.tracker != "none" %}
@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             # leaves the holder's logs, metrics and checkpoints as they are.
             restored = _restore_run_files(run_dir, env)
             setup_logging(env.rank, local_dir)
+            record_run_dir(local_dir)
             if env.is_main and env.world_size > 1:
                 log.info("%s; agreed in %.2f s", roster().describe(), roster().seconds)
             if isinstance(run_dir, ObjectPath) and env.is_main:
