@@ -51,9 +51,12 @@ demo: $(DEMO_VENV)/.installed
 	@echo "     or sbatch launch/slurm/train.sbatch    (README: On a cluster)"
 	@echo "A project of your own: cruft create (README: Generate a project)."
 
+# --no-compile: compiling every module of torch at install takes longer than the few the demo
+# imports take to compile when first imported.
 $(DEMO_VENV)/.installed: requirements-demo.txt $(CONSTRAINTS)
 	$(PYTHON) -m venv $(DEMO_VENV)
-	$(DEMO_VENV)/bin/python -m pip install --quiet -r requirements-demo.txt -c $(CONSTRAINTS)
+	$(DEMO_VENV)/bin/python -m pip install --quiet --no-compile -r requirements-demo.txt \
+		-c $(CONSTRAINTS)
 	touch $@
 
 # The demo's and the benchmarks' environments take the test environment's versions; pip takes
