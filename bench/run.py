@@ -81,7 +81,7 @@ def render(template: Path, output: Path, *answers: str) -> Path:
     process of its own.
 
     From the template's directory: `python -m` puts the working directory first on the import
-    path, and the template's own Jinja extensions (local_extensions.py) must be the ones found.
+    path, and the template's own Jinja extensions (template_extensions.py) must be the ones found.
     """
     shutil.rmtree(output, ignore_errors=True)
     command = [sys.executable, "-m", "cookiecutter", "--no-input", str(template), *answers]

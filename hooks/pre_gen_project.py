@@ -84,7 +84,7 @@ class Answers:
     values: dict[str, object]
     #: cookiecutter.json as the template ships it: choice lists and rules the answers cannot set.
     template: dict[str, object]
-    #: The template's local_extensions.py: the slug rule, shared with the filter that names the
+    #: The template's template_extensions.py: the slug rule, shared with the filter that names the
     #: project directory.
     formats: types.ModuleType
 
@@ -366,10 +366,12 @@ def cookiecutter_version_error() -> str | None:
 
 
 def load_answers(context: dict, template_dir: str) -> Answers:
-    """The answers with the template's cookiecutter.json and local_extensions.py."""
+    """The answers with the template's cookiecutter.json and template_extensions.py."""
     root = Path(template_dir)
     template = json.loads((root / "cookiecutter.json").read_text(encoding="utf-8"))
-    spec = importlib.util.spec_from_file_location("local_extensions", root / "local_extensions.py")
+    spec = importlib.util.spec_from_file_location(
+        "template_extensions", root / "template_extensions.py"
+    )
     assert spec is not None and spec.loader is not None
     formats = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(formats)

@@ -18,14 +18,16 @@ HOOKS = ROOT / "hooks"
 
 
 def _load_formats() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("local_extensions", ROOT / "local_extensions.py")
+    spec = importlib.util.spec_from_file_location(
+        "template_extensions", ROOT / "template_extensions.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-#: The template's Jinja filters (local_extensions.py), as cookiecutter loads them.
+#: The template's Jinja filters (template_extensions.py), as cookiecutter loads them.
 FORMATS = _load_formats()
 #: The options a person answers (no private or derived keys), with valid values.
 ANSWERS = {

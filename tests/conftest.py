@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 #: Modules of minutes-long tests, longest first; the others follow in their usual order.
-LONG_FIRST = ["test_launchers.py", "test_project_suite.py", "test_user_tasks.py"]
+LONG_FIRST = ["test_launchers.py", "test_project_suite.py", "test_update.py", "test_user_tasks.py"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -93,6 +93,27 @@ def test_ci_tests_the_oldest_and_the_newest_torch(github: Path, gitlab: Path) ->
     assert github_torch == gitlab_torch == [f"torch=={major}.{minor}.*", "torch"]
 
 
+# ---- the demo's environment ------------------------------------------------------------------
+
+
+def requirement_names(lines: list[str]) -> set[str]:
+    """Distribution names, normalised (PEP 503), of requirement lines; comments skipped."""
+    names = (re.match(r"[A-Za-z0-9._-]+", line.strip()) for line in lines)
+    return {re.sub(r"[-_.]+", "-", name.group(0)).lower() for name in names if name}
+
+
+def test_the_demo_environment_holds_what_the_default_project_needs(github: Path) -> None:
+    """`make demo` installs requirements-demo.txt alone, at the versions the tests pin: the
+    default project's dependencies, its build backend and cookiecutter."""
+    demo = requirement_names((ROOT / "requirements-demo.txt").read_text().splitlines())
+    project = tomllib.loads((github / "pyproject.toml").read_text())
+    needed = requirement_names(
+        [*project["project"]["dependencies"], *project["build-system"]["requires"], "cookiecutter"]
+    )
+    assert needed <= demo
+    assert demo <= requirement_names(REQUIREMENTS.splitlines())
+
+
 # ---- ruff -------------------------------------------------------------------------------------
 
 

@@ -1,11 +1,12 @@
-"""The template's Jinja filters (local_extensions.py): each writes any text as data of its format,
-read back exactly by that format's own parser, and leaves a value that needs no escaping as a
-person would have written it."""
+"""The template's Jinja filters (template_extensions.py): each writes any text as data of its
+format, read back exactly by that format's own parser, and leaves a value that needs no escaping
+as a person would have written it."""
 
 from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -16,6 +17,7 @@ import pytest
 import yaml
 from answers import FORMATS, VALID
 from matrix import ROOT
+from test_update import copy_template
 
 #: Text that is syntax in at least one of the formats, or that their parsers treat specially.
 HOSTILE_TEXT = [
@@ -171,4 +173,53 @@ def test_extension_registers_every_filter_and_the_template_directory() -> None:
 
 def test_extension_is_the_one_cookiecutter_json_names() -> None:
     context = json.loads((ROOT / "cookiecutter.json").read_text())
-    assert context["_extensions"] == ["local_extensions.FormatFilters"]
+    assert context["_extensions"] == ["template_extensions.FormatFilters"]
+
+
+#: Renders a template twice in one process, as `cruft update` does: the first checkout, then
+#: the next one written over it in the same directory. The next release's extension here swaps
+#: the torch floor's numbers (pyproject.toml's `torch>=2.13` becomes `torch>=13.2`), in a file of
+#: the same size and modification time, which Python's bytecode check cannot tell apart.
+TWO_CHECKOUTS = """
+import os, sys
+from pathlib import Path
+from cookiecutter.main import cookiecutter
+
+template, out = Path(sys.argv[1]), Path(sys.argv[2])
+cookiecutter(str(template), no_input=True, output_dir=str(out / "first"))
+extension = template / "template_extensions.py"
+before = extension.stat()
+text = extension.read_text()
+old, new = 'return f"{major}.{minor}"', 'return f"{minor}.{major}"'
+assert text.count(old) == 1
+extension.write_text(text.replace(old, new))
+os.utime(extension, ns=(before.st_atime_ns, before.st_mtime_ns))
+assert extension.stat().st_size == before.st_size
+cookiecutter(str(template), no_input=True, output_dir=str(out / "second"))
+"""
+
+
+def test_a_checkout_rendered_after_another_in_one_process_gets_its_own_extension(
+    tmp_path: Path,
+) -> None:
+    """An update from 0.4.0 failed on `'torch_floor' is undefined`: the new release's render
+    was given the module Python had cached for the old one."""
+    template = tmp_path / "template"
+    copy_template(template)
+    # Bytecode written, as where nothing turns it off.
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    result = subprocess.run(
+        [sys.executable, "-c", TWO_CHECKOUTS, str(template), str(tmp_path)],
+        cwd=tmp_path,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    floors = []
+    for render in ("first", "second"):
+        pyproject = tomllib.loads((tmp_path / render / "ddp-project/pyproject.toml").read_text())
+        floors += [spec for spec in pyproject["project"]["dependencies"] if "torch" in spec]
+    major, minor = FORMATS.torch_floor().split(".")
+    assert floors == [f"torch>={major}.{minor},<3", f"torch>={minor}.{major},<3"]

@@ -132,7 +132,7 @@ def test_every_key_the_render_sees_has_one_validator(pre_gen: types.ModuleType) 
 def test_option_without_a_validator_is_reported_as_a_template_bug(
     pre_gen: types.ModuleType, tmp_path: Path
 ) -> None:
-    shutil.copy(ROOT / "local_extensions.py", tmp_path)
+    shutil.copy(ROOT / "template_extensions.py", tmp_path)
     (tmp_path / "cookiecutter.json").write_text(json.dumps({**CONTEXT, "new_option": "x"}))
     errors = pre_gen.validate(VALID, str(tmp_path))
     assert errors == [

@@ -209,7 +209,7 @@ def test_pyproject_holds_the_answers_exactly(hostile: Path) -> None:
     assert project["authors"] == [
         {"name": HOSTILE["author_name"], "email": HOSTILE["author_email"]}
     ]
-    assert project["scripts"] == {"my.project-train": "my_project.faults.signals:train_command"}
+    assert project["scripts"] == {"my.project-train": "my_project.cli:train_command"}
 
 
 def test_pyproject_metadata_builds_with_the_answers(hostile: Path) -> None:

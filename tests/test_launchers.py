@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -311,6 +312,27 @@ def project_env(project: Path, **extra: str) -> dict[str, str]:
     return {**os.environ, **env, **extra}
 
 
+def torchrun_report(run_dir: Path) -> str:
+    """What torchrun itself wrote, which the launcher keeps beside the run's logs."""
+    return (run_dir / f"torchrun_{socket.gethostname()}.log").read_text()
+
+
+def assert_ends_with_its_status(output: str, status: int) -> None:
+    """The launcher's last line gives the exit status, and torchrun's report (a
+    ChildFailedError or SignalException traceback) is nowhere on the screen."""
+    last = output.rstrip("\n").splitlines()[-1]
+    assert re.match(rf"launch: exit status {status} on \S+: ", last), output[-3000:]
+    torchrun_words = ("Traceback", "ChildFailedError", "SignalException")
+    assert not [word for word in torchrun_words if word in output], output[-3000:]
+
+
+def assert_ends_with_the_training_s_message(output: str, message: str, status: int) -> None:
+    """The last lines are the training's (its `message`, a summary line after it at most) and
+    the launcher's status line."""
+    assert_ends_with_its_status(output, status)
+    assert message in "".join(output.rstrip("\n").splitlines()[-3:-1]), output[-3000:]
+
+
 def final_checkpoint(run_dir: Path) -> dict:
     """The completion marker of the newest checkpoint (written last, so the checkpoint is whole)."""
     newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
@@ -342,7 +364,8 @@ def test_usr1_stops_a_torchrun_run_after_one_step_with_a_checkpoint(
     assert code == 0, text[-3000:]
     stopped = re.search(r"stopped at step (\d+) of \d+ on a stop request \(SIGUSR1\)", text)
     assert stopped, text[-3000:]
-    assert "closing signal SIGUSR1" in text  # torchrun passing it on to each worker
+    # torchrun passing it on to each worker, in its own output, kept beside the run's logs
+    assert "closing signal SIGUSR1" in torchrun_report(run_dir)
     assert final_checkpoint(run_dir)["step"] == int(stopped.group(1))
 
 
@@ -407,6 +430,7 @@ def test_sigterm_stops_a_torchrun_run_with_a_checkpoint(
     assert code == TERM_TARGETS[target], text[-3000:]
     stopped = re.search(rf"stopped at step (\d+) of {UNENDING_STEPS} on SIGTERM", text)
     assert stopped, text[-3000:]
+    assert_ends_with_the_training_s_message(text, "launch the same command again", 75)
     marker = final_checkpoint(run_dir)
     assert marker["step"] == int(stopped.group(1))
     assert sorted(marker["files"]) == ["rank_00000.pt", "rank_00001.pt", "state.pt"]
@@ -438,13 +462,15 @@ def test_ctrl_c_to_every_process_stops_with_a_checkpoint_at_the_current_step(
     assert stopped, text[-3000:]
     assert "the same Ctrl-C passed on by the launcher" in text
     assert "interrupted again" not in text
+    assert_ends_with_the_training_s_message(text, "launch the same command again", 75)
+    assert "SignalException" in torchrun_report(run_dir)
     assert final_checkpoint(run_dir)["step"] == int(stopped.group(1))
 
 
 @torchrun_group
 def test_a_bad_setting_exits_2_through_the_launcher(project: Path, tmp_path: Path) -> None:
     """torchrun exits 1 whenever a worker did not exit 0; launch/torchrun.sh exits with what
-    the training said."""
+    the training said, and its last lines are the training's refusal and that status."""
     bad = subprocess.run(
         ["bash", "launch/torchrun.sh", "train.epochz=3", f"run.dir={tmp_path / 'run'}"],
         cwd=project,
@@ -454,7 +480,7 @@ def test_a_bad_setting_exits_2_through_the_launcher(project: Path, tmp_path: Pat
         timeout=120,
     )
     assert bad.returncode == 2, bad.stderr[-3000:]
-    assert "torchrun exited 1; the training on this node exited 2" in bad.stderr
+    assert_ends_with_the_training_s_message(bad.stderr, "error: unknown key(s) train.epochz", 2)
 
 
 def wait_for_all(processes: list[subprocess.Popen], timeout: float) -> list[int | None]:
@@ -661,4 +687,7 @@ def test_a_bad_setting_fails_the_job_with_status_2_and_no_requeue(
     job = wait_for_job(slurm, job_id)
     output = job_output(project, job_id)
     assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("FAILED", "2:0", "0"), output
-    assert "the training on this node exited 2" in output
+    # Slurm's own line about the task's exit code follows the launcher's.
+    assert "srun: error:" in output.splitlines()[-1], output
+    before_slurm = output[: output.rindex("srun: error:")]
+    assert_ends_with_the_training_s_message(before_slurm, "unknown key(s) train.epochz", 2)

@@ -28,6 +28,7 @@ import pytest
 from cookiecutter.main import cookiecutter
 from engines import Host, two_hosts, wait_until
 from matrix import ROOT
+from test_launchers import assert_ends_with_its_status, assert_ends_with_the_training_s_message
 
 pytestmark = [pytest.mark.xdist_group("multinode"), pytest.mark.timeout(600)]
 
@@ -259,6 +260,7 @@ def test_the_doctor_names_the_settings_and_code_a_node_differs_in(
     )
     assert_statuses(runs, {"alpha": 1, "beta": 1})
     for run in runs.values():
+        assert_ends_with_its_status(run.log, 1)
         assert "FAIL  agreement" in run.log
         assert "task.dropout: 0.1 on rank 0 on alpha; 0.2 on rank 1 on beta" in run.log
         assert "package: 0.1.0 on rank 0 on alpha; 0.2.0 on rank 1 on beta" in run.log
@@ -463,4 +465,5 @@ def test_sigterm_to_one_node_stops_both_with_a_checkpoint_and_status_75(
     assert stopped, runs["alpha"].log[-3000:]
     marker = final_checkpoint(run_dir)
     assert (marker["step"], marker["world_size"]) == (int(stopped.group(1)), 2)
-    assert "the training on this node exited 75" in runs["beta"].log
+    assert_ends_with_the_training_s_message(runs["alpha"].log, "launch the same command", 75)
+    assert_ends_with_its_status(runs["beta"].log, 75)

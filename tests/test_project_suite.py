@@ -6,8 +6,11 @@ them by the scan of tests/variants.py; the other options change files (launchers
 CI, license, metadata) that the render tests and the launcher tests check. So:
 
 - The default project, installed into the test environment as a user installs it, runs its
-  whole suite; the fault tests (crashes, hangs and restarts under torchrun, up to a minute
-  each) run beside it from a source tree, so that the two halves can share the workers.
+  whole suite: its machinery's and its example's tests here; the fault tests (crashes, hangs
+  and restarts under torchrun, up to a minute each) beside them from a source tree, so that the
+  halves can share the workers; and the rest of tests/task in tests/test_update.py, in the
+  default project made at the newest release with its owner's changes and updated to this
+  template (checked there to be this template's render with those changes, file by file).
 - Every value of the options that the shared test helpers read (tests/helpers.py and the
   like, and task.py: the model and data every multi-process test trains, today the example
   task) runs the whole suite but the fault tests, the tests of tasks of their own and the
@@ -169,12 +172,15 @@ PAIR_OPTION_TESTS = first_variants([*EACH_VALUE, *PAIRS])[len(EACH_VALUE) :]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def run_project_suite(project: Path, env: dict[str, str], *options: str) -> dict[str, ET.Element]:
-    """Run the project's pytest; fail with its output unless it passes. Returns its test cases."""
+def run_project_suite(
+    project: Path, env: dict[str, str], *options: str, python: Path | None = None
+) -> dict[str, ET.Element]:
+    """Run the project's pytest (with `python`, else this one); fail with its output unless it
+    passes. Returns its test cases."""
     report = project / "report.xml"
     pytest_command = ["-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
     result = subprocess.run(
-        [sys.executable, *pytest_command, *options],
+        [str(python or sys.executable), *pytest_command, *options],
         cwd=project,
         env={
             **os.environ,
@@ -284,9 +290,12 @@ def installed_default_project(tmp_path_factory: pytest.TempPathFactory) -> Itera
     subprocess.run(uninstall, check=True)
 
 
-def test_default_project_suite_passes_with_two_gloo_ranks(installed_default_project: Path) -> None:
-    """The installed default project's suite passes, and its 2-process gloo test really ran."""
-    assert_whole_suite_ran(run_project_suite(installed_default_project, {}, "-m", "not faults"))
+def test_default_project_machinery_and_example_tests_pass(installed_default_project: Path) -> None:
+    """Its tests/task run in the project updated from the newest release (test_update.py)."""
+    folders = ["tests/machinery", "tests/example"]
+    cases = run_project_suite(installed_default_project, {}, *folders, "-m", "not faults")
+    ran = {case.get("classname", "").rsplit(".", 1)[0] for case in cases.values()}
+    assert {"tests.machinery", "tests.example"} <= ran
 
 
 def test_default_project_fault_tests_pass(tmp_path: Path) -> None:

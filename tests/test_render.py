@@ -46,6 +46,7 @@ from variants import (
     dependencies,
     grow_forest,
     kept_files,
+    option_key,
     references,
     render_file,
     template_files,
@@ -86,8 +87,8 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
     tests["task"] += ["gpu", "gradients", "loss_normalisation", "object_store", "parent_death"]
     tests["task"] += ["ranks", "restart", "resume", "resume_checks", "sharding", "slow_rank"]
     tests["task"] += ["stop_signal", "timeouts", "trainer", "weights", "worker_faults"]
-    tests["machinery"] += ["data", "debug_output", "distributed_env", "divergence_guard"]
-    tests["machinery"] += ["doctor", "loader_workers"]
+    tests["machinery"] += ["data", "debug_output", "dependencies", "distributed_env"]
+    tests["machinery"] += ["divergence_guard", "doctor", "loader_workers"]
     tests["machinery"] += ["flight_recorder", "gpu_check"]
     tests["machinery"] += ["launch", "nccl_log", "network", "plot", "moved_modules", "run_lock"]
     tests["machinery"] += ["storage"]
@@ -96,7 +97,8 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
         files.add(f"tests/{folder}/__init__.py")
         files |= {f"tests/{folder}/test_{name}.py" for name in names}
     files.add("tests/example/__init__.py")
-    modules = ["__init__", "contract", "doctor", "launch", "plot", "task", "train"]
+    modules = ["__init__", "cli", "contract", "dependencies", "doctor", "errors", "launch"]
+    modules += ["plot", "task", "train"]
     modules += ["checkpointing/__init__", "cluster/__init__", "faults/__init__"]
     modules += ["config/__init__", "config/loader", "config/schema"]
     modules += ["loading/__init__", "monitoring/__init__", "training/__init__"]
@@ -104,8 +106,8 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
     modules += ["checkpointing/checkpointer"]
     modules += [f"checkpointing/{name}" for name in ("layout", "newest_intact", "retention")]
     modules += [f"checkpointing/{name}" for name in ("resume", "run_lock", "storage", "weights")]
-    modules += [f"cluster/{name}" for name in ("agreement", "debug_output", "distributed")]
-    modules += [f"cluster/{name}" for name in ("nccl_log", "network")]
+    modules += [f"cluster/{name}" for name in ("agent", "agreement", "debug_output")]
+    modules += [f"cluster/{name}" for name in ("distributed", "nccl_log", "network")]
     modules += [f"faults/{name}" for name in ("flight_recorder", "parent_watch", "signals")]
     modules += [f"faults/{name}" for name in ("stopping", "watchdog")]
     modules += ["loading/data", "loading/workers"]
@@ -403,6 +405,141 @@ def test_every_combination_builds_its_apptainer_image_from_its_dockerfile_image(
             forest.path("Dockerfile", combo).read_text(),
             set(files.values()),
         )
+
+
+# The package's imports: no module imports one that imports it back, in any combination.
+
+
+#: The package's modules, as template files.
+PACKAGE_FILES = [
+    name for name in template_files() if name.startswith("src/") and name.endswith(".py")
+]
+
+
+def package_combinations() -> list[dict]:
+    """A valid combination for each distinct value of the options the package's files read."""
+    options = frozenset().union(*map(dependencies, PACKAGE_FILES))
+    first: dict[tuple, dict] = {}
+    for combo in valid_combinations():
+        first.setdefault(option_key(combo, options), combo)
+    return list(first.values())
+
+
+def imports_that_run(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements of a module, at its top or in its functions; not those under
+    `if TYPE_CHECKING:`, which only a type checker reads."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            children = node.orelse
+        else:
+            children = [node]
+        for child in children:
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append(child)
+            found += imports_that_run(child)
+    return found
+
+
+@cache
+def imported_names(source: str, package: str) -> frozenset[str]:
+    """What a module of `package` imports, by absolute name: `from .x import y` gives x.y,
+    which is a module or a name in module x. Cached by text: few files differ by option."""
+    names: set[str] = set()
+    for node in imports_that_run(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+            continue
+        base = node.module or ""
+        if node.level:
+            parents = package.split(".")[: package.count(".") + 2 - node.level]
+            base = ".".join([*parents, base] if base else parents)
+        names |= {f"{base}.{alias.name}" for alias in node.names} | {base}
+    return frozenset(names)
+
+
+def with_packages_above(module: str) -> set[str]:
+    """`module` and the packages that importing it imports first: a.b.c -> a, a.b, a.b.c."""
+    parts = module.split(".")
+    return {".".join(parts[:end]) for end in range(1, len(parts) + 1)}
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> the modules of the package that importing it runs: those it imports and the
+    packages above them, but for its own packages, which are being imported already.
+    `sources`: each file's text by its path under src/ (`pkg/sub/__init__.py`)."""
+    modules = {}
+    for path, source in sources.items():
+        parts = Path(path).with_suffix("").parts
+        is_package = parts[-1] == "__init__"
+        name = ".".join(parts[:-1] if is_package else parts)
+        modules[name] = (source, name if is_package else name.rpartition(".")[0])
+    return {
+        name: {
+            reached
+            for imported in imported_names(source, package)
+            for reached in with_packages_above(imported)
+            if reached in modules
+        }
+        - with_packages_above(name)
+        for name, (source, package) in modules.items()
+    }
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """A cycle of imports as the modules along it, the first again at the end; [] if none."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(module: str) -> list[str]:
+        if module in path:
+            return [*path[path.index(module) :], module]
+        if module in done:
+            return []
+        path.append(module)
+        for imported in sorted(graph[module]):
+            cycle = visit(imported)
+            if cycle:
+                return cycle
+        path.pop()
+        done.add(module)
+        return []
+
+    return next(filter(None, map(visit, sorted(graph))), [])
+
+
+def test_the_import_graph_finds_a_cycle_through_a_function_and_a_package() -> None:
+    """A function-level import is a cycle as much as a top-level one (a lazy import only hides
+    it), and importing a.b.c runs a/b/__init__.py first."""
+    sources = {
+        "pkg/__init__.py": "",
+        "pkg/sub/__init__.py": "from . import leaf\n",
+        "pkg/sub/leaf.py": "x = 1\n",
+        "pkg/sub/other.py": "from ..late import f\n",
+        "pkg/user.py": "from .sub.leaf import x\n",
+        "pkg/late.py": "def f():\n    from . import user\n",
+    }
+    assert import_cycle(import_graph(sources)) == []
+    sources["pkg/sub/__init__.py"] = "from . import leaf, other\n"
+    cycle = ["pkg.late", "pkg.user", "pkg.sub", "pkg.sub.other", "pkg.late"]
+    assert import_cycle(import_graph(sources)) == cycle
+
+
+def test_no_module_of_the_package_imports_one_that_imports_it_back() -> None:
+    """Each module has one job and the jobs have a direction: task.py imports the machinery it
+    needs, and the machinery never needs what imports task.py. For each distinct set of the
+    package's files."""
+    texts: dict[tuple, str] = {}  # each file once per value of the options it reads
+    for combo in package_combinations():
+        sources = {}
+        for infile, path in kept_files(combo).items():
+            if infile in PACKAGE_FILES:
+                variant = (infile, option_key(combo, dependencies(infile)))
+                if variant not in texts:
+                    texts[variant] = variants.render_text(infile, combo)
+                sources[path.removeprefix("src/")] = texts[variant]
+        cycle = import_cycle(import_graph(sources))
+        assert not cycle, f"{combo_id(combo)}: " + " -> ".join(cycle)
 
 
 # Whole projects: a pairwise cover of the options, rendered by cookiecutter.

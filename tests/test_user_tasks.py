@@ -89,9 +89,9 @@ def old_task_config(config: str) -> str:
 def moved_as_the_changelog_says(task: str, config: str) -> str:
     """task.py of before 1.0 with its TaskConfig moved in from config.py, by the steps of the
     CHANGELOG ("What a project that updates must change"): the class below the imports with the
-    imports it needs, and only ConfigError imported from .config."""
+    imports it needs, and ConfigError imported from .errors."""
     assert task.count("from .config import TaskConfig\n") == 1
-    task = task.replace("from .config import TaskConfig\n", "from .config import ConfigError\n")
+    task = task.replace("from .config import TaskConfig\n", "from .errors import ConfigError\n")
     future = "from __future__ import annotations\n"
     assert task.count(future) == 1
     task = task.replace(future, f"{future}\nfrom dataclasses import dataclass\n")

@@ -60,7 +60,9 @@
 # did not exit 0): 0 finished, or stopped on USR1/USR2; 75 stopped with a checkpoint at the
 # current step (SIGTERM or Ctrl-C, here or on another machine): launch the same command again
 # to resume; 2 a bad setting, on any machine; 3 the training diverged; 4 another job holds the
-# run directory; 1 the machines did not all join, or another failure.
+# run directory; 1 the machines did not all join, or another failure. Unless it is 0, the last
+# line says it after the training's own message; torchrun's own output (its report of a
+# failure) is kept in <run.dir>/torchrun_<host>.log.
 #
 # Two machines, 8 GPUs each: on both, with the same run directory on a shared file system,
 #   NNODES=2 RDZV_ENDPOINT=node01:29500 RDZV_ID=exp1 launch/torchrun.sh run.dir=/shared/runs/exp1

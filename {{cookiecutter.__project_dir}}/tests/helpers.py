@@ -85,19 +85,22 @@ def run_torchrun(
     timeout: float = 180,
     entry: Path | None = None,
     max_restarts: int = 0,
+    launcher: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """Train under `torchrun --standalone`: it picks a free port, so parallel tests never clash.
 
     `entry` runs a script instead of the package's entry point (tests inject faults with one).
+    `launcher` runs torchrun as launch/torchrun.sh does, through the project's launcher.
     The output goes to files, not pipes: the ranks run in sessions of their own and would keep a
     pipe open after torchrun. A launch that hangs gets SIGTERM, on which torchrun ends its ranks
     (SIGKILL after its grace period), and fails the test with the end of its log.
     """
     target = [str(entry)] if entry else ["-m", "{{ cookiecutter.package_name }}.train"]
+    runner = "{{ cookiecutter.package_name }}.launch" if launcher else "torch.distributed.run"
     command = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        runner,
         "--standalone",
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
@@ -136,10 +139,12 @@ import time
 
 from {{ cookiecutter.package_name }} import train
 from {{ cookiecutter.package_name }}.checkpointing import checkpoint
+from {{ cookiecutter.package_name }}.launch import exit_status_recorded
 from {{ cookiecutter.package_name }}.training.trainer import Trainer
 """
+# As train.py's own entry ends: the status recorded for the launcher (run_torchrun(launcher=)).
 _FAULT_ENTRY_TAIL = """
-sys.exit(train.main())
+sys.exit(exit_status_recorded(train.main))
 """
 
 

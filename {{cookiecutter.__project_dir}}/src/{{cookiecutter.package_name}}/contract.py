@@ -10,7 +10,7 @@ Contract versions (`CONTRACT_VERSION`); a task written for an earlier one keeps 
 
 1. Releases up to 0.4: the four required methods, `metric_names`, and later `throughput_unit`,
    `units_per_sample` and `flops_per_sample`, which were required in practice.
-2. Release 0.5: every member but the four methods optional; `training_loss` may return a sum
+2. Release 1.0: every member but the four methods optional; `training_loss` may return a sum
    and a count or named components; per-metric counts and derived metrics; `param_groups`,
    `collate`, `units`, `state_dict`/`load_state_dict`, `test_settings`, `whole_batch_loss`,
    what the task gives the export (`model_settings`/`load_model_settings` and

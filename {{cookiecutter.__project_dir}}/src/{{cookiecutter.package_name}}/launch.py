@@ -29,6 +29,12 @@ torchrun exits 1 whatever its workers did. Here:
   (`exit_status_recorded`), and the most telling is passed on (a named cause, 2, 3 or 4, before
   any other failure, before 130, 75 and 0). torchrun's own status is used only when no worker
   recorded one.
+- The last lines on the screen are the training's: torchrun runs as cluster/agent.py, which
+  keeps what torchrun itself writes (its log, its 30-line report of a failure or a signal) in a
+  file, while the workers write to the screen as before. When the training did not finish, one
+  line ends the launch: its exit status, what it means, torchrun's report in a few words, and
+  where all of it is kept (`<run.dir>/torchrun_<host>.log`, once the training has its run
+  directory).
 
 Only the standard library: the checks run before anything imports torch.
 """
@@ -39,6 +45,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import selectors
 import signal
 import socket
@@ -51,6 +58,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .cluster import network
+from .dependencies import require_installed
 
 #: The variable that tells a training process where to record its exit status.
 STATUS_DIR_VARIABLE = "TRAINING_STATUS_DIR"
@@ -59,6 +67,21 @@ STATUS_DIR_VARIABLE = "TRAINING_STATUS_DIR"
 NAMED_STATUSES = (2, 3, 4)
 EXIT_RESUMABLE = 75
 EXIT_INTERRUPTED = 130
+#: What an exit status of the training (or the doctor) says, in the launcher's last line.
+STATUS_MEANINGS = {
+    1: "it failed (its traceback above says where)",
+    2: "a setting, the launch or the environment was refused (the message above says which)",
+    3: "the training diverged",
+    4: "another job holds the run directory",
+    EXIT_RESUMABLE: "stopped with a checkpoint at its current step: the same command continues",
+    EXIT_INTERRUPTED: "interrupted twice: stopped without a checkpoint of its current step",
+}
+#: Files of the status directory: torchrun's own output (cluster/agent.py), and the run
+#: directory the training recorded once its job owned it.
+TORCHRUN_REPORT = "torchrun.log"
+RUN_DIR_RECORD = "run_dir"
+#: A failed rank in torchrun's report (ChildFailedError): its rank and exit code.
+FAILED_RANK = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 #: Seconds between two progress lines while nodes wait for each other.
 PROGRESS_S = 10.0
 DEFAULT_JOIN_TIMEOUT_S = 300
@@ -107,6 +130,19 @@ def record_exit_status(status: int, environ: dict[str, str] | None = None) -> No
         partial = Path(directory) / f".{name}.tmp"
         partial.write_text(f"{status}\n")
         partial.replace(Path(directory) / name)
+
+
+def record_run_dir(path: Path, environ: dict[str, str] | None = None) -> None:
+    """Tell the launcher where the run keeps its logs, once the job owns that directory: the
+    launcher keeps torchrun's report there."""
+    environ = os.environ if environ is None else environ
+    directory = environ.get(STATUS_DIR_VARIABLE)
+    if not directory or environ.get("LOCAL_RANK", "0") != "0":
+        return
+    with contextlib.suppress(OSError):
+        partial = Path(directory) / f".{RUN_DIR_RECORD}.tmp"
+        partial.write_text(str(path.resolve()))
+        partial.replace(Path(directory) / RUN_DIR_RECORD)
 
 
 def recorded_statuses(directory: Path) -> list[int]:
@@ -539,8 +575,9 @@ def run(arguments: list[str], environ: dict[str, str] | None = None) -> int:
         return refusal.status
     with tempfile.TemporaryDirectory(prefix="training-status-") as status_dir:
         environ[STATUS_DIR_VARIABLE] = status_dir
-        return _supervise(
-            [sys.executable, "-m", "torch.distributed.run", *arguments],
+        report = Path(status_dir) / TORCHRUN_REPORT
+        status = _supervise(
+            [sys.executable, "-m", f"{__package__}.cluster.agent", str(report), *arguments],
             environ,
             launch,
             Path(status_dir),
@@ -548,6 +585,12 @@ def run(arguments: list[str], environ: dict[str, str] | None = None) -> int:
             join_timeout_s,
             shutdown_timeout_s,
         )
+        host = socket.gethostname()
+        report_text = report.read_text() if report.exists() else ""
+        kept = keep_report(report_text, Path(status_dir), host)
+        if status != 0:
+            say(conclusion(status, report_text, kept, host))
+        return status
 
 
 def _with_host_role(arguments: list[str], is_host: bool) -> list[str]:
@@ -627,8 +670,6 @@ def _supervise(
     status = most_telling(recorded_statuses(status_dir))
     if status is None:
         status = _status_after_signal(code, received)
-    if status != code:
-        say(f"torchrun exited {code}; the training on this node exited {status}")
     return status
 
 
@@ -694,11 +735,64 @@ def _is_zombie(pid: int) -> bool:
     return stat[stat.rindex(")") + 2 :].startswith(("Z", "X"))
 
 
+# --- after torchrun: the launch's last line ---------------------------------------------------
+
+
+def conclusion(status: int, report: str, kept: str | None, host: str) -> str:
+    """The line that ends a launch whose training did not finish: the training's exit status
+    and what it means, torchrun's `report` in a few words, and where it is `kept`."""
+    line = f"exit status {status} on {host}: {STATUS_MEANINGS.get(status, 'it failed')}"
+    if not report.strip():
+        return line
+    where = f"; all of it in {kept}" if kept else ""
+    return f"{line} (torchrun: {report_gist(report)}{where})"
+
+
+def report_gist(report: str) -> str:
+    """torchrun's report in a few words: how each failed rank ended, the signal that stopped
+    torchrun, or the last line of another error."""
+    failures = FAILED_RANK.findall(report)
+    if failures:
+        ranks = sorted({int(rank): int(code) for rank, code in failures}.items())
+        return ", ".join(f"rank {rank} exited {_code(code)}" for rank, code in ranks)
+    stopped = re.search(r"SignalException: Process \d+ got signal: (\d+)", report)
+    if stopped:
+        return f"stopped on {signal.Signals(int(stopped.group(1))).name}"
+    return [line.strip() for line in report.splitlines() if line.strip()][-1]
+
+
+def _code(code: int) -> str:
+    """An exit code as torchrun gives it: negative for the signal that ended the process."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"{code} ({signal.Signals(-code).name})"
+    return str(code)
+
+
+def keep_report(report: str, status_dir: Path, host: str) -> str | None:
+    """Append torchrun's report to `torchrun_<host>.log` in the directory the training
+    recorded; its path, or None where there is no report, no such directory (the training
+    stopped before its job owned one) or it cannot be written."""
+    record = status_dir / RUN_DIR_RECORD
+    if not report or not record.exists():
+        return None
+    path = Path(record.read_text()) / f"torchrun_{host}.log"
+    try:
+        with path.open("a") as kept:
+            kept.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}: torchrun's own output\n")
+            kept.write(report)
+    except OSError:
+        return None
+    relative = os.path.relpath(path)
+    return str(path) if relative.startswith("..") else relative
+
+
 def main(argv: list[str] | None = None) -> int:
     arguments = sys.argv[1:] if argv is None else argv
     if not arguments or arguments[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if arguments else 2
+    require_installed()
     return run(arguments)
 
 

@@ -18,8 +18,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset, TensorDataset
 
-from .config import ConfigError
 from .contract import TaskBase
+from .errors import ConfigError
 
 
 @dataclass
@@ -151,8 +151,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
-from .config import ConfigError
 from .contract import TaskBase
+from .errors import ConfigError
 from .gpt import GPT
 from .loading.shards import TOKENIZER_FILE, TokenWindows, read_manifest
 

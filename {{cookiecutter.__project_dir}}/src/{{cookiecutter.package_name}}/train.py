@@ -6,12 +6,15 @@ Running it again with the same run directory resumes from the newest complete ch
 
 from __future__ import annotations
 
+from .dependencies import require_installed
 from .faults.signals import record_early, release_early
 
 if __name__ == "__main__":
     # Before the heavy imports (torch takes seconds): a stop signal that arrives meanwhile is
-    # recorded and acted on once training can save, instead of killing the process.
+    # recorded and acted on once training can save, instead of killing the process; a package
+    # the project needs and this environment lacks is named in one line (exit 2).
     record_early()
+    require_installed()
 
 import argparse
 import logging
@@ -56,7 +59,7 @@ from .faults.flight_recorder import traces_dir
 from .faults.parent_watch import launcher_watched
 from .faults.stopping import EXIT_INTERRUPTED, StopRequests
 from .faults.watchdog import aborts_reported, hangs_reported, startup_bounded, stop_deadline
-from .launch import exit_status_recorded
+from .launch import exit_status_recorded, record_run_dir
 from .loading.data import SampleLoadError
 from .loading.workers import describe_worker_death
 from .monitoring.logs import log_file_name, setup_logging
@@ -149,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             # leaves the holder's logs, metrics and checkpoints as they are.
             restored = _restore_run_files(run_dir, env)
             setup_logging(env.rank, local_dir)
+            record_run_dir(local_dir)
             if env.is_main and env.world_size > 1:
                 log.info("%s; agreed in %.2f s", roster().describe(), roster().seconds)
             if isinstance(run_dir, ObjectPath) and env.is_main:

@@ -281,3 +281,74 @@ def test_without_a_recorded_status_a_signal_gives_the_stop_its_status() -> None:
     assert launch._status_after_signal(1, [signal.SIGUSR1]) == 0
     assert launch._status_after_signal(1, []) == 1
     assert launch._status_after_signal(4, [signal.SIGTERM]) == 4
+
+
+# --- the launch's last line -------------------------------------------------------------------
+
+#: torchrun's report after rank 1 diverged and torchrun ended rank 0 (its ChildFailedError).
+CHILD_FAILED = """\
+E1128 10:15:13.884000 10764 api.py:1002] failed (exitcode: 3) local_rank: 1 (pid: 10786)
+Traceback (most recent call last):
+  File "agent.py", line 30, in main
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+ddp_project.train FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-28_10:15:13
+  host      : node01
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 10785)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-28_10:15:13
+  host      : node01
+  rank      : 1 (local_rank: 1)
+  exitcode  : 3 (pid: 10786)
+============================================================
+"""
+
+
+def test_the_last_line_is_the_training_s_status_and_the_gist_of_torchrun_s_report() -> None:
+    kept = "runs/exp1/torchrun_node01.log"
+    assert launch.conclusion(3, CHILD_FAILED, kept, "node01") == (
+        "exit status 3 on node01: the training diverged (torchrun: rank 0 exited -15 "
+        f"(SIGTERM), rank 1 exited 3; all of it in {kept})"
+    )
+
+
+def test_without_a_report_the_last_line_is_the_status_alone() -> None:
+    assert launch.conclusion(75, "", None, "node01") == (
+        "exit status 75 on node01: stopped with a checkpoint at its current step: the same "
+        "command continues"
+    )
+
+
+@pytest.mark.parametrize(
+    ("report", "gist"),
+    [
+        ("SignalException: Process 12 got signal: 2\n", "stopped on SIGINT"),
+        ("RendezvousTimeoutError: no join\n\n", "RendezvousTimeoutError: no join"),
+    ],
+    ids=["signal", "other-error"],
+)
+def test_torchrun_s_report_is_cut_to_its_gist(report: str, gist: str) -> None:
+    assert launch.report_gist(report) == gist
+
+
+def test_torchrun_s_report_is_kept_beside_the_run_s_logs(tmp_path: Path) -> None:
+    """Only once the training recorded its run directory (its job owns it); rank 0 of each
+    node records it."""
+    status_dir, run_dir = tmp_path / "status", tmp_path / "run"
+    status_dir.mkdir()
+    run_dir.mkdir()
+    assert launch.keep_report(CHILD_FAILED, status_dir, "node01") is None
+    launch.record_run_dir(run_dir, {launch.STATUS_DIR_VARIABLE: str(status_dir), "LOCAL_RANK": "1"})
+    assert launch.keep_report(CHILD_FAILED, status_dir, "node01") is None
+    launch.record_run_dir(run_dir, {launch.STATUS_DIR_VARIABLE: str(status_dir), "LOCAL_RANK": "0"})
+    kept = Path(launch.keep_report(CHILD_FAILED, status_dir, "node01") or "")
+    assert kept == run_dir / "torchrun_node01.log"
+    assert kept.read_text().endswith(CHILD_FAILED)
+    assert launch.recorded_statuses(status_dir) == []  # the record is no status

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -84,8 +85,9 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_before_any_checkpoint_holds_it(
     tmp_path: Path,
 ) -> None:
     """Logged every 50 steps, the NaN of step 10 is found by the check before the save at step
-    12: checkpoints 4 and 8 stay, 12 is never written, and pruning kept the finite ones. With
-    loader workers, as on a real node: they must not keep the ranks from exiting."""
+    12: checkpoints 4 and 8 stay, 12 is never written, and pruning kept the finite ones. Run
+    through the project's launcher, which exits with the training's 3, with loader workers as
+    on a real node: they must not keep the ranks from exiting."""
     run_dir = tmp_path / "run"
     overrides = [
         *FAST,
@@ -97,9 +99,14 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_before_any_checkpoint_holds_it(
         "data.num_workers=2",
     ]
     entry = write_fault_entry(tmp_path, NAN_ON_RANK_1_AT_STEP_10)
-    result = run_torchrun(2, overrides, entry=entry)
-    assert result.returncode != 0
-    assert len(re.findall(r"exitcode\s*:\s*3\b", result.stderr)) >= 1, result.stderr[-4000:]
+    result = run_torchrun(2, overrides, entry=entry, launcher=True)
+    assert result.returncode == 3, result.stderr[-4000:]  # the launcher's: torchrun says 1
+    # The last lines are the training's message and its status; torchrun's report is in a file.
+    *_, message, status = result.stderr.splitlines()
+    assert "training diverged" in message
+    assert status.startswith("launch: exit status 3 on ")
+    assert "Traceback" not in result.stderr
+    assert "exitcode" in (run_dir / f"torchrun_{socket.gethostname()}.log").read_text()
     # In a task with updates, those after the poisoned one read its weights, not finite now,
     # on every rank in the same step: rank 1 is named among them.
     ranks = r"(0, )?1" if UPDATES else "1"

@@ -20,20 +20,18 @@ from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..checkpointing.storage import is_url, url_problem
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from ..task import TaskConfig
 
 
-class ConfigError(ValueError):
-    """A configuration value is unknown, of the wrong type or out of range."""
-
-
 def task_config_class() -> type:
     """The `task` section's class: `TaskConfig` of task.py, the user's file.
 
-    Looked up when first needed rather than imported above: task.py imports this package (for
-    ConfigError), so the class does not exist yet while this module runs.
+    Looked up when first needed rather than imported above: reading settings stays free of
+    torch, which task.py imports, and a task.py of an earlier release, which imports ConfigError
+    from this package, still imports.
     """
     from .. import task
 
@@ -41,7 +39,7 @@ def task_config_class() -> type:
         raise ImportError(
             f"{task.__file__} defines no TaskConfig. The task's settings live in task.py: move "
             "`class TaskConfig` (with the imports it needs) there from config.py, and import "
-            "only ConfigError from .config (CHANGELOG: what a project that updates must change)"
+            "ConfigError from .errors (CHANGELOG: what a project that updates must change)"
         )
     return task.TaskConfig
 

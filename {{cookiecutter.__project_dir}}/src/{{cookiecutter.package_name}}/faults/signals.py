@@ -88,13 +88,3 @@ def release_early() -> None:
         signal.signal(signum, handler)
     for signum in dict.fromkeys(number for number, _ in received):
         signal.raise_signal(signum)
-
-
-def train_command() -> int:
-    """The `-train` console command: record the stop signals first, then import the training
-    (and torch) and run it, as `python -m <package>.train` does."""
-    record_early()
-    from ..launch import exit_status_recorded
-    from ..train import main
-
-    return exit_status_recorded(main)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 #: Version of the manifest's layout; a reader refuses any other.
 FORMAT = 1

@@ -13,6 +13,14 @@ because cookiecutter may give the hook a template path relative to a directory i
 
 The extension is loaded before the first question too, which is where `ConditionalQuestions`
 takes effect: it leaves out the questions that an earlier answer makes pointless.
+
+One process may render two checkouts of the template from one directory: `cruft update`
+renders the project's release, then the new one, and cookiecutter imports `_extensions` by
+module name. Python would hand the second render the module cached from the first, with the
+first release's filters and globals (from 0.4.0, whose module was `local_extensions`, an update
+failed on `'torch_floor' is undefined`). So this module takes itself out of `sys.modules` each
+time cookiecutter has made its extension (`forget_this_module`): every environment imports the
+file of the checkout it renders.
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ import functools
 import json
 import re
 import shlex
+import sys
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -239,16 +249,17 @@ class ConditionalQuestions:
         return ask_unless_ruled_out
 
     def install(self) -> None:
-        """Wrap cookiecutter's question functions once, and forget earlier answers: cookiecutter
-        makes a new Jinja environment before the first question of every generation."""
-        self.answers.clear()
+        """Wrap cookiecutter's question functions, in place of a wrapper an earlier import of
+        this file installed: cookiecutter makes a new Jinja environment before the first
+        question of every generation, and the template it renders may be another release, whose
+        rules are the ones to follow."""
         for name in QUESTION_FUNCTIONS:
             ask = getattr(prompt, name, None)
-            if ask is not None and not getattr(ask, "conditional", False):
-                setattr(prompt, name, self.wrap(ask))
-
-
-QUESTIONS = ConditionalQuestions()
+            if ask is None:
+                continue
+            while getattr(ask, "conditional", False):
+                ask = ask.__wrapped__
+            setattr(prompt, name, self.wrap(ask))
 
 
 class FormatFilters(Extension):
@@ -263,4 +274,24 @@ class FormatFilters(Extension):
         environment.globals["ruff_version"] = pinned_version("ruff")
         environment.globals["cruft_version"] = pinned_version("cruft")
         environment.globals["torch_floor"] = torch_floor()
-        QUESTIONS.install()
+        ConditionalQuestions().install()
+        forget_this_module()
+
+
+def forget_this_module() -> None:
+    """Take this module out of `sys.modules`, with its bytecode: the next Jinja environment then
+    imports the file of the template checkout it renders, not this one.
+
+    Only the module cookiecutter imported is taken out (one loaded from a path, as the hook and
+    the tests load it, is in no `sys.modules` entry). The bytecode goes too: Python trusts a
+    cached file whose source has the same size and modification second, which a checkout of
+    the next release written within the same second as this import can have.
+    """
+    module = sys.modules.get(__name__)
+    if module is None or vars(module) is not globals():
+        return
+    del sys.modules[__name__]
+    bytecode = globals().get("__cached__")
+    if bytecode:
+        with suppress(OSError):
+            Path(bytecode).unlink()
