@@ -44,7 +44,7 @@ from .cluster.debug_output import debug_dir
 from .cluster.distributed import (
     CollectiveInEvaluationError,
     DistEnv,
-    GradientsNotReducedError,
+    ReplicaMismatchError,
     barrier,
     detect_env,
     open_store,
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         ResumeError,
         WeightsError,
         ConfigError,
-        GradientsNotReducedError,
+        ReplicaMismatchError,
         CollectiveInEvaluationError,
     ) as error:
         log.error("%s", error)

@@ -456,25 +456,6 @@ def wrap_ddp(
     return ddp
 
 
-def check_replicas(model: torch.nn.Module, step: int) -> None:
-    """Raise on every rank if any rank's parameters differ from rank 0's.
-
-    Each rank all-gathers one float64 checksum per parameter; the comparison is exact, so any
-    drift (a rank-local update, a non-deterministic op outside DDP) is caught the step it appears.
-    """
-    if not is_distributed():
-        return
-    with torch.no_grad():
-        local = torch.stack([param.detach().double().sum() for param in model.parameters()])
-    gathered = gather_rows(local)
-    differing = [rank for rank, sums in enumerate(gathered) if not torch.equal(sums, gathered[0])]
-    if differing:
-        raise ReplicaMismatchError(
-            f"step {step}: parameters on rank(s) {differing} differ from rank 0. Look for "
-            "parameter updates outside the optimizer step, or random ops that depend on the rank."
-        )
-
-
 def check_gradients_reduced(
     model: torch.nn.Module, step: int, device: torch.device, ignored: Collection[str] = ()
 ) -> None:

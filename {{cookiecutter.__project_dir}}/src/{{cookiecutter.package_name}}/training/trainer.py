@@ -37,7 +37,6 @@ from ..cluster.distributed import (
     DistEnv,
     all_reduce_sum,
     check_gradients_reduced,
-    check_replicas,
     collectives_refused,
     explain_unused_parameters,
     gather_objects,
@@ -58,6 +57,7 @@ from . import rng
 from .divergence import DivergenceGuard, SkipPolicy
 from .losses import StepLoss, WindowSums, window_means
 from .optimizer import as_built, build_optimizer, build_scheduler, clear_gradients, own_options
+from .replicas import ReplicaCheck
 from .updates import ModelParts, Update, log_prefix, model_parts, sync_context
 
 log = logging.getLogger(__name__)
@@ -310,6 +310,8 @@ class Trainer:
         )
         #: Whether this launch's first step found its gradients all-reduced (a task may skip DDP).
         self.gradients_checked = False
+        #: The replicas' checksums, compared in the gathers of log lines and saves.
+        self.replicas = ReplicaCheck(self.model, self.updates, device)
         self.best = BestCheckpoint(self.config.best)
         #: What `_periodic` does falls on multiples of this, the intervals' greatest common
         #: divisor (or on the last step): at the other steps it has nothing to ask.
@@ -659,7 +661,7 @@ class Trainer:
         if self.step % self.periodic_every and self.step != self.total_steps:
             return False  # nothing below is due
         if config.dist.check_replicas_every and self._due(config.dist.check_replicas_every):
-            check_replicas(self.model, self.step)
+            self._check_replicas()
         if self._due(config.train.log_every):
             self._log_train(epoch, grad_norms)
         new_best = False
@@ -685,7 +687,7 @@ class Trainer:
         if self.saved_step != self.step:
             models = [self.model] if self.ema is None else [self.model, self.ema.module]
             self.guard.check_weights(self.step, models)
-            self._raise_if_diverged(gather_rows(self.guard.record()).cpu())
+            self._raise_on_checks(gather_rows(self._checks()).cpu())
             if scheduled and self.background is not None:
                 self.save_in_background()
             else:
@@ -694,9 +696,23 @@ class Trainer:
         if not scheduled:
             self.wait_for_save()
 
-    def _raise_if_diverged(self, guard_rows: torch.Tensor) -> None:
+    def _checks(self) -> torch.Tensor:
+        """This rank's share of the checks that ride in the gathers of log lines and saves:
+        the non-finite guard's record and the replicas' checksum."""
+        return torch.cat([self.guard.record(), self.replicas.checksum()])
+
+    def _raise_on_checks(self, rows: torch.Tensor) -> None:
+        """Stop every rank alike on what the gathered checks show (a row per rank, `_checks`'
+        entries): non-finite values first, then replicas that differ (divergence.py,
+        replicas.py)."""
+        fields = len(self.guard.FIELDS)
         newest = latest_checkpoint(self.run_dir)
-        self.guard.raise_if_diverged(guard_rows, newest.name if newest else "none yet")
+        self.guard.raise_if_diverged(rows[:, :fields], newest.name if newest else "none yet")
+        self.replicas.raise_if_differ(rows[:, fields:], self.step)
+
+    def _check_replicas(self) -> None:
+        """dist.check_replicas_every: the replicas compared in a gather of their own."""
+        self.replicas.raise_if_differ(gather_rows(self.replicas.checksum()).cpu(), self.step)
 
     def _stop_early(self) -> int:
         """best.patience evaluations without improvement: every rank stops here, with a
@@ -730,11 +746,12 @@ class Trainer:
         sums = self.window.totals(names)
         timing = [window.train_s, window.data_wait_s, float(window.peak_memory)]
         local = sums.new_tensor([*timing, *self.stragglers.row()])
-        # The divergence guard's record rides along: no collective of its own.
-        rows = gather_rows(torch.cat([sums, local, self.guard.record()])).cpu()
+        # The divergence guard's record and the replicas' checksum ride along: no collective
+        # of their own.
+        rows = gather_rows(torch.cat([sums, local, self._checks()])).cpu()
         timings = rows[:, len(names) : len(names) + len(timing)]
         straggling = rows[:, len(names) + len(timing) : len(names) + len(local)]
-        guard_rows = rows[:, len(names) + len(local) :]
+        checks = rows[:, len(names) + len(local) :]
         totals = dict(zip(names, rows[:, : len(names)].sum(dim=0).tolist(), strict=True))
         units = totals["units"] if self.units_of_batches else window.steps * self.units_per_step
         self.total_units += units
@@ -764,7 +781,7 @@ class Trainer:
             log.warning("%s", warning)
         self.metrics.log(self.step, {**values, **figures, "epoch": epoch})
         self.window.reset()
-        self._raise_if_diverged(guard_rows)
+        self._raise_on_checks(checks)
         self.meter.resume()
 
     def _log_summary(self, first_step: int, wall_s: float) -> None:
@@ -865,7 +882,7 @@ class Trainer:
         step = self.checkpointer.resume()
         if step is None:
             return False
-        self.step = step
+        self.step = self.replicas.matched_at = step  # every rank loaded the same weights
         return True
 
     def start_fresh(self) -> None:
