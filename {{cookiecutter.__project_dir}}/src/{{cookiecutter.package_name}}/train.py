@@ -43,6 +43,7 @@ from .cluster.agreement import (
 from .cluster.debug_output import debug_dir
 from .cluster.distributed import (
     CollectiveInEvaluationError,
+    CollectiveInLossError,
     DistEnv,
     ReplicaMismatchError,
     barrier,
@@ -66,7 +67,7 @@ from .monitoring.tracker import Tracker
 {%- endif %}
 from .task import Task
 from .training.divergence import EXIT_DIVERGED, DivergenceError
-from .training.trainer import Trainer, batch_split
+from .training.trainer import Trainer, batch_split, describe_split
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         ConfigError,
         ReplicaMismatchError,
         CollectiveInEvaluationError,
+        CollectiveInLossError,
     ) as error:
         log.error("%s", error)
         return 2
@@ -215,10 +217,7 @@ def checked_config(
         _, accumulation = batch_split(
             train.global_batch_size, train.micro_batch_size, env.world_size
         )
-        batch = (
-            f"train.global_batch_size={train.global_batch_size} on {env.world_size} rank(s) "
-            f"with train.micro_batch_size={train.micro_batch_size}"
-        )
+        batch = describe_split(train.global_batch_size, train.micro_batch_size, env.world_size)
         refuse_static_graph_with_accumulation(config.dist, accumulation, batch)
         if accumulation > 1 and getattr(Task, "whole_batch_loss", False):
             raise ConfigError(

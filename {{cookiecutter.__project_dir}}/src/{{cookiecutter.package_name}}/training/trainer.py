@@ -38,6 +38,7 @@ from ..cluster.distributed import (
     all_reduce_sum,
     check_gradients_reduced,
     collectives_refused,
+    exchanges_checked,
     explain_unused_parameters,
     gather_objects,
     gather_rows,
@@ -63,6 +64,8 @@ from .updates import ModelParts, Update, log_prefix, model_parts, sync_context
 log = logging.getLogger(__name__)
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
+#: Around the task's loss once a launch's first step has checked it: nothing.
+_UNWATCHED = nullcontext()
 
 
 def batch_split(global_batch_size: int, max_micro: int, world_size: int) -> tuple[int, int]:
@@ -86,6 +89,14 @@ def batch_split(global_batch_size: int, max_micro: int, world_size: int) -> tupl
     per_rank = global_batch_size // world_size
     micro = max(size for size in range(1, min(per_rank, max_micro) + 1) if per_rank % size == 0)
     return micro, per_rank // micro
+
+
+def describe_split(global_batch_size: int, max_micro: int, world_size: int) -> str:
+    """The batch settings of a launch, in words, for the refusals of a split."""
+    return (
+        f"train.global_batch_size={global_batch_size} on {world_size} rank(s) with "
+        f"train.micro_batch_size={max_micro}"
+    )
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
@@ -124,6 +135,8 @@ class Trainer:
         self.micro_batch_size, self.accumulation_steps = batch_split(
             train.global_batch_size, train.micro_batch_size, env.world_size
         )
+        #: The batch settings, in words, for the refusals of the split.
+        self.split = describe_split(train.global_batch_size, train.micro_batch_size, env.world_size)
         checkpoint = config.checkpoint
         self.stop = stop or StopRequests(checkpoint.stop_on_signals, checkpoint.stop_check_s)
         self.step = 0
@@ -308,8 +321,9 @@ class Trainer:
         self.skips = SkipPolicy(
             train.on_nonfinite == "skip", train.max_skipped_steps, self.env.is_main
         )
-        #: Whether this launch's first step found its gradients all-reduced (a task may skip DDP).
-        self.gradients_checked = False
+        #: Whether this launch's first step ran: it checks what a task's code can get wrong
+        #: with DDP (gradients not all-reduced, exchanges in its loss under accumulation).
+        self.first_step_done = False
         #: The replicas' checksums, compared in the gathers of log lines and saves.
         self.replicas = ReplicaCheck(self.model, self.updates, device)
         self.best = BestCheckpoint(self.config.best)
@@ -457,7 +471,7 @@ class Trainer:
             if not skipped:
                 stepped.append(norm)
                 losses += update.loss.values
-        self.gradients_checked = True
+        self.first_step_done = True
         if self.ema is not None and stepped:
             self.ema.update_parameters(self.model)
         self.guard.end_step(self.step + 1, losses, _one_norm(stepped), skipped=not stepped)
@@ -495,7 +509,7 @@ class Trainer:
         with self.ranges.optimizer:
             update.scaler.unscale_(update.optimizer)  # the true gradients (fp16 scales the loss)
             losses.rescale_gradients(update.parameters)
-            if not self.gradients_checked:  # the launch's first step
+            if not self.first_step_done:  # the launch's first step
                 self._check_gradients_reduced(update)
             grad_norm = self._clip_gradients(update.parameters)
             skip = self.skips.skips(self.step + 1, grad_norm, update.name)
@@ -509,9 +523,16 @@ class Trainer:
         return grad_norm, skip
 
     def _training_loss(self, update: Update, batch: Any) -> Any:
-        if update.name is None:
-            return self.task.training_loss(update.call, batch)
-        return self.task.training_loss(self.parts, batch, update=update.name)
+        """The task's loss of `batch`; at a launch's first step, watched for exchanges between
+        ranks, which gradient accumulation would make another loss (distributed.py)."""
+        watch = _UNWATCHED
+        if not self.first_step_done:
+            per_rank = self.config.train.global_batch_size // self.env.world_size
+            watch = exchanges_checked(self.accumulation_steps, self.split, per_rank)
+        with watch:
+            if update.name is None:
+                return self.task.training_loss(update.call, batch)
+            return self.task.training_loss(self.parts, batch, update=update.name)
 
     def _read_micro_batches(self, batches: Iterator[Any]) -> Iterator[Any]:
         """Each micro-batch of the step on the device, read as the update trains on it; the
