@@ -494,6 +494,7 @@ class Trainer:
         """
         losses = update.loss
         losses.start()
+        self.skips.keep_buffers(self.model)  # a skipped step puts them back
         try:
             for micro_step, batch in enumerate(micro_batches):
                 last = micro_step == self.accumulation_steps - 1
@@ -706,7 +707,9 @@ class Trainer:
         once, and return once this step's checkpoint is complete (one in flight included).
         """
         if self.saved_step != self.step:
-            models = [self.model] if self.ema is None else [self.model, self.ema.module]
+            models = {"": self.model}
+            if self.ema is not None:
+                models["the moving average"] = self.ema.module
             self.guard.check_weights(self.step, models)
             self._raise_on_checks(gather_rows(self._checks()).cpu())
             if scheduled and self.background is not None:
