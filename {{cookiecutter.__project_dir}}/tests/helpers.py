@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import numpy
@@ -302,6 +302,15 @@ def first_part(model: torch.nn.Module) -> torch.nn.Module:
     """Where a test adds a layer to the task's model: the whole model, or its first update's
     part (each trainable parameter belongs to one part)."""
     return getattr(model, UPDATES[0]) if UPDATES else model
+
+
+def inner_modules(model: Any) -> Any:
+    """What `getattr(model, "module", model)` reaches in a loss: the module DDP wraps (each
+    part's, in a task with updates), whose forward bypasses DDP."""
+    if not UPDATES:
+        return getattr(model, "module", model)
+    parts = {name: getattr(model, name) for name in UPDATES}
+    return SimpleNamespace(**{name: getattr(p, "module", p) for name, p in parts.items()})
 
 
 def optimizer_states(trainer: Trainer) -> dict[str | None, dict[str, Any]]:

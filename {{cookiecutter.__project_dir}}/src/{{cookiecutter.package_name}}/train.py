@@ -46,8 +46,9 @@ from .cluster.agreement import (
 from .cluster.debug_output import debug_dir
 from .cluster.distributed import (
     CollectiveInEvaluationError,
+    CollectiveInLossError,
     DistEnv,
-    GradientsNotReducedError,
+    ReplicaMismatchError,
     barrier,
     detect_env,
     open_store,
@@ -69,7 +70,7 @@ from .monitoring.tracker import Tracker
 {%- endif %}
 from .task import Task
 from .training.divergence import EXIT_DIVERGED, DivergenceError
-from .training.trainer import Trainer, batch_split
+from .training.trainer import Trainer, batch_split, describe_split
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         ResumeError,
         WeightsError,
         ConfigError,
-        GradientsNotReducedError,
+        ReplicaMismatchError,
         CollectiveInEvaluationError,
+        CollectiveInLossError,
     ) as error:
         log.error("%s", error)
         return 2
@@ -219,10 +221,7 @@ def checked_config(
         _, accumulation = batch_split(
             train.global_batch_size, train.micro_batch_size, env.world_size
         )
-        batch = (
-            f"train.global_batch_size={train.global_batch_size} on {env.world_size} rank(s) "
-            f"with train.micro_batch_size={train.micro_batch_size}"
-        )
+        batch = describe_split(train.global_batch_size, train.micro_batch_size, env.world_size)
         refuse_static_graph_with_accumulation(config.dist, accumulation, batch)
         if accumulation > 1 and getattr(Task, "whole_batch_loss", False):
             raise ConfigError(

@@ -1,6 +1,7 @@
 """The Task contract (contract.py) holds for tasks unlike the shipped example (tests/tasks.py):
 what a task may define is used, what it lacks has a default, a task written for the first
-release still trains and resumes bitwise, and a collective in evaluation is refused by name."""
+release still trains and resumes bitwise, a collective in evaluation is refused by name, and so
+is one in the training loss under gradient accumulation."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import warnings
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as functional_collectives
 import torch.distributed.nn.functional as distributed_autograd
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import IterableDataset
 
 from {{ cookiecutter.package_name }} import train
@@ -31,6 +34,8 @@ from {{ cookiecutter.package_name }}.checkpointing.weights import (
 )
 from {{ cookiecutter.package_name }}.cluster.distributed import (
     CollectiveInEvaluationError,
+    CollectiveInLossError,
+    collectives_noted,
     collectives_refused,
 )
 from {{ cookiecutter.package_name }}.config import Config, ConfigError, load_config, to_yaml
@@ -610,3 +615,119 @@ def test_a_launch_whose_evaluation_all_reduces_exits_2_naming_the_collective(
     log = (run_dir / "train.log").read_text()
     assert "evaluation_sums called torch.distributed.all_reduce" in log
     assert "Traceback" not in log
+
+
+def _all_reduce(count: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(count)
+    return count
+
+
+def _all_gather_single(count: torch.Tensor) -> torch.Tensor:
+    counts = count.new_empty(dist.get_world_size())
+    dist.all_gather_single(counts, count.reshape(1))
+    return counts.sum()
+
+
+def _older_all_reduce(count: torch.Tensor) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated in favour of the one below
+        return distributed_autograd.all_reduce(count)
+
+
+def _functional_all_reduce(count: torch.Tensor) -> torch.Tensor:
+    return functional_collectives.all_reduce(count, "sum", dist.group.WORLD)
+
+
+def _functional_broadcast(count: torch.Tensor) -> torch.Tensor:
+    """Rank 0's count for every rank's: another way to be wrong, but an exchange all the same."""
+    return functional_collectives.broadcast(count, 0, dist.group.WORLD) * dist.get_world_size()
+
+
+#: How a loss may sum its count over the ranks, by the function it calls.
+SUMMED_COUNTS = {
+    "torch.distributed.all_reduce": _all_reduce,
+    "torch.distributed.all_gather_single": _all_gather_single,
+    "torch.distributed.nn.functional.all_reduce": _older_all_reduce,
+    "torch.distributed._functional_collectives.all_reduce": _functional_all_reduce,
+    "torch.distributed._functional_collectives.broadcast": _functional_broadcast,
+}
+
+
+class GlobalCountTokenTask(TokenTask):
+    """A mean over the real tokens of every rank's micro-batch, its count summed over the
+    ranks inside the loss (by `summed`, without a gradient), as one process would count the
+    whole batch's: exact with one micro-batch per rank and step, another loss under
+    accumulation."""
+
+    summed = "torch.distributed.all_reduce"
+
+    def training_loss(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        result = super().training_loss(model, batch)
+        with torch.no_grad():
+            count = SUMMED_COUNTS[self.summed](result["count"].double())
+        return result["loss"] * dist.get_world_size() / count
+
+
+def _train_with_summed_counts(rank: int, world_size: int, run_dir: Path) -> dict[str, str]:
+    """Each way of summing the count under accumulation (16 = 2 ranks x 4 x 2), then the
+    first of them with one micro-batch per rank and step (2 x 8 x 1)."""
+    runs = [(summed, summed, 4) for summed in SUMMED_COUNTS]
+    runs.append(("one micro-batch", "torch.distributed.all_reduce", 8))
+    outcomes = {}
+    for index, (name, summed, micro_batch) in enumerate(runs):
+        config = _config(run_dir / str(index), f"train.micro_batch_size={micro_batch}")
+        task = GlobalCountTokenTask(config.task, config.run.seed)
+        task.summed = summed
+        trainer = make_trainer(config, env_for(rank, world_size), task)
+        try:
+            train_steps(trainer, 2)
+            outcomes[name] = "trained"
+        except CollectiveInLossError as error:
+            outcomes[name] = str(error)
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def summed_counts(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
+    workdir = tmp_path_factory.mktemp("summed_counts")
+    return spawn(2, _train_with_summed_counts, workdir / "run", workdir=workdir, timeout=90)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("summed", list(SUMMED_COUNTS))
+def test_a_loss_that_exchanges_data_under_accumulation_is_refused_at_the_first_step(
+    summed_counts: list[dict[str, str]], summed: str
+) -> None:
+    """It would train another loss than the whole batch's (1.7e-3 away from one process after
+    a few steps), silently. Every rank refuses alike, naming the call, where the task made it,
+    the split and the micro-batch size that makes the exchange exact."""
+    assert summed_counts[0][summed] == summed_counts[1][summed]
+    message = summed_counts[0][summed]
+    # torch.distributed.nn.functional's functions call torch.distributed's.
+    called = summed.replace(".nn.functional", "")
+    assert f"the task's training_loss called {called} (test_contract.py line " in message
+    assert "with train.micro_batch_size=4 takes 2 micro-batches per rank and step" in message
+    assert "Set train.micro_batch_size=8 (train.global_batch_size / ranks" in message
+    assert "Task.whole_batch_loss = True" in message
+
+
+@pytest.mark.distributed
+def test_a_loss_that_exchanges_data_trains_with_one_micro_batch_per_rank(
+    summed_counts: list[dict[str, str]],
+) -> None:
+    assert [rank["one micro-batch"] for rank in summed_counts] == ["trained", "trained"]
+
+
+def test_collectives_that_torch_s_own_modules_make_are_not_the_task_s() -> None:
+    """SyncBatchNorm gathers its statistics in its forward (on GPUs), DDP all-reduces in its
+    own when it joins ranks: neither is an exchange of the task's. DDP's join check stands for
+    them here, a collective called from torch.nn (no process group: torch raises after the
+    call is seen)."""
+    ddp = SimpleNamespace(require_backward_grad_sync=True, device="cpu", process_group=None)
+    with collectives_noted() as noted:
+        with pytest.raises(ValueError):
+            DistributedDataParallel._check_global_requires_backward_grad_sync(ddp, False)
+        with pytest.raises(ValueError):
+            dist.all_reduce(torch.zeros(1))
+    assert [name for name, _ in noted] == ["torch.distributed.all_reduce"]
+    assert noted[0][1].startswith("test_contract.py line ")

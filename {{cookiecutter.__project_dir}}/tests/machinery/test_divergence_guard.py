@@ -22,7 +22,7 @@ def test_the_first_step_with_a_non_finite_micro_batch_loss_is_recorded() -> None
     guard.end_step(1, losses(1.0, 2.0), torch.tensor(0.5))
     guard.end_step(2, losses(1.0, NAN), torch.tensor(0.5))
     guard.end_step(3, losses(math.inf, 1.0), torch.tensor(0.5))
-    assert guard.record().tolist() == [2.0, 0.0, 0.0]
+    assert guard.record().tolist() == [2.0, 0.0, 0.0, 0.0]
 
 
 def test_losses_of_other_dtypes_and_counts_are_checked_alike() -> None:
@@ -35,7 +35,7 @@ def test_losses_of_other_dtypes_and_counts_are_checked_alike() -> None:
     guard.end_step(3, losses(1.0, 2.0), torch.tensor(0.5))
     guard.end_step(4, losses(1.0), torch.tensor(math.inf))
     guard.end_step(5, losses(NAN, dtype=torch.bfloat16), torch.tensor(0.5))
-    assert guard.record().tolist() == [5.0, 4.0, 0.0]
+    assert guard.record().tolist() == [5.0, 4.0, 0.0, 0.0]
 
 
 def test_a_skipped_step_is_not_recorded_and_the_steps_after_it_are() -> None:
@@ -44,13 +44,13 @@ def test_a_skipped_step_is_not_recorded_and_the_steps_after_it_are() -> None:
     guard.end_step(2, losses(NAN), torch.tensor(NAN), skipped=True)
     guard.end_step(3, losses(1.0), None)  # no norm computed: only the loss is watched
     guard.end_step(4, losses(1.0), torch.tensor(NAN))
-    assert guard.record().tolist() == [0.0, 4.0, 0.0]
+    assert guard.record().tolist() == [0.0, 4.0, 0.0, 0.0]
 
 
 def test_the_gradients_of_fp16_are_left_to_its_loss_scaler() -> None:
     guard = DivergenceGuard(CPU, watch_gradients=False)
     guard.end_step(1, losses(1.0), torch.tensor(math.inf))
-    assert guard.record().tolist() == [0.0, 0.0, 0.0]
+    assert guard.record().tolist() == [0.0, 0.0, 0.0, 0.0]
 
 
 def test_the_steps_kept_aside_are_bounded() -> None:
@@ -60,4 +60,4 @@ def test_the_steps_kept_aside_are_bounded() -> None:
     for step in range(1, 11):
         guard.end_step(step, losses(NAN if step == 7 else 1.0), torch.tensor(0.5))
         assert len(guard._norms) <= 3
-    assert guard.record().tolist() == [7.0, 0.0, 0.0]
+    assert guard.record().tolist() == [7.0, 0.0, 0.0, 0.0]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import re
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,6 +24,7 @@ from ..helpers import (
     env_for,
     first_part,
     flat_grads,
+    inner_modules,
     make_trainer,
     run_torchrun,
     spawn,
@@ -80,16 +80,7 @@ class BypassingTask(Task):
     gradient is all-reduced."""
 
     def training_loss(self, model: nn.Module, batch: Any, **update: str) -> Any:
-        return super().training_loss(_inner(model), batch, **update)
-
-
-def _inner(model: Any) -> Any:
-    """What `getattr(model, "module", model)` reaches: the module DDP wraps (each part's, in a
-    task with updates)."""
-    if not UPDATES:
-        return getattr(model, "module", model)
-    parts = {name: getattr(model, name) for name in UPDATES}
-    return SimpleNamespace(**{name: getattr(p, "module", p) for name, p in parts.items()})
+        return super().training_loss(inner_modules(model), batch, **update)
 
 
 def _unused_layer(rank: int, world_size: int, run_dir: Path, *overrides: str) -> str:
@@ -194,12 +185,12 @@ from typing import Any
 from {{ cookiecutter.package_name }}.task import Task
 
 UPDATES = {UPDATES!r}
-{inspect.getsource(_inner)}
+{inspect.getsource(inner_modules)}
 training_loss = Task.training_loss
 
 
 def through_the_inner_module(self, model, batch, **update):
-    return training_loss(self, _inner(model), batch, **update)
+    return training_loss(self, inner_modules(model), batch, **update)
 
 
 Task.training_loss = through_the_inner_module

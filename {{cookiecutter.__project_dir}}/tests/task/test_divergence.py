@@ -1,10 +1,12 @@
 """Non-finite values never reach a checkpoint: a NaN loss on one rank stops every rank at one
 step with exit status 3, naming the step and the rank (train.on_nonfinite=stop), or the step is
-skipped on every rank alike (train.on_nonfinite=skip)."""
+skipped on every rank alike, buffers included (train.on_nonfinite=skip); a non-finite buffer is
+named as one, with its module."""
 
 from __future__ import annotations
 
 import inspect
+import math
 import re
 import socket
 from collections.abc import Iterator
@@ -13,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from {{ cookiecutter.package_name }}.checkpointing.layout import complete_checkpoints
 from {{ cookiecutter.package_name }}.config import load_config
@@ -30,6 +33,7 @@ from ..helpers import (
     spawn,
     write_fault_entry,
 )
+from ..tasks import FirstReleaseTask
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 
@@ -148,6 +152,7 @@ def _skip_nan_step(rank: int, world_size: int, run_dir: Path, limit: int) -> dic
             f"run.dir={run_dir}",
             "train.max_steps=6",
             "train.on_nonfinite=skip",
+            "train.mixed_precision=none",  # fp16's loss scaler skips on its own: refused
             f"train.max_skipped_steps={limit}",
         ],
     )
@@ -198,3 +203,138 @@ def test_the_skip_policy_stops_every_rank_past_its_limit(
         assert re.search(skipped, runs[1]["status"])
         assert "too many" in runs[1]["status"]
     assert _checkpoints_are_finite(workdir / "limit_0")
+
+
+class _InputTracker(nn.Module):
+    """A moving average of its inputs in a buffer, as an input normaliser keeps one, assigned
+    anew at each training forward (`self.mean = ...`); the inputs pass unchanged."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(width))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.mean = 0.9 * self.mean + 0.1 * inputs.detach().mean(dim=0)
+        return inputs
+
+
+class _BatchNormTask(FirstReleaseTask):
+    """An MLP with buffers that its forward changes (an input tracker's, BatchNorm's running
+    statistics and its count of batches); on rank `nan_rank`, its `nan_at`-th loss sees one
+    NaN input sample."""
+
+    nan_rank = 0
+    nan_at = 0
+    calls = 0
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(
+            _InputTracker(4), nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3)
+        )
+
+    def training_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        self.calls += 1
+        inputs, labels = batch
+        if self.calls == self.nan_at and torch.distributed.get_rank() == self.nan_rank:
+            inputs = inputs.clone()
+            inputs[0] = float("nan")
+        return super().training_loss(model, (inputs, labels))
+
+
+class _BuffersAroundStepThree(Trainer):
+    """Keeps the model's buffers before and after step 3."""
+
+    def train_step(self, batches: Iterator[Any]) -> dict[str, torch.Tensor]:
+        if self.step + 1 != 3:
+            return super().train_step(batches)
+        self.before = {name: b.clone() for name, b in self.model.named_buffers()}
+        norms = super().train_step(batches)
+        self.after = {name: b.clone() for name, b in self.model.named_buffers()}
+        return norms
+
+
+def _skip_a_nan_sample(rank: int, world_size: int, run_dir: Path) -> dict[str, Any]:
+    """6 steps of 2 micro-batches per rank; rank 0's first micro-batch of step 3 holds a NaN
+    sample (rank 0's buffers are those DDP broadcasts at every forward, and those saved)."""
+    settings = [
+        *FAST,
+        f"run.dir={run_dir}",
+        "train.global_batch_size=32",
+        "train.micro_batch_size=8",
+        "train.max_steps=6",
+        "train.on_nonfinite=skip",
+        "train.mixed_precision=none",
+    ]
+    config = load_config(None, settings)
+    task = _BatchNormTask(config.task, seed=config.run.seed)
+    task.nan_at = 5
+    trainer = make_trainer(config, env_for(rank, world_size), task)
+    trainer.__class__ = _BuffersAroundStepThree
+    status = trainer.fit()
+    return {
+        "status": status,
+        "skipped": trainer.skips.skipped,
+        "before": trainer.before,
+        "after": trainer.after,
+    }
+
+
+@pytest.fixture(scope="module")
+def nan_sample(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    workdir = tmp_path_factory.mktemp("nan_sample")
+    return workdir / "run", spawn(2, _skip_a_nan_sample, workdir / "run", workdir=workdir)
+
+
+@pytest.mark.distributed
+def test_a_skipped_step_leaves_the_buffers_as_they_were(
+    nan_sample: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """BatchNorm's running statistics and count of batches, and a buffer assigned anew by its
+    module's forward, on every rank: the NaN sample's forward changed them all before the
+    step was judged."""
+    _, ranks = nan_sample
+    for rank in ranks:
+        assert rank["skipped"] == 1
+        assert rank["before"].keys() == rank["after"].keys()
+        for name, before in rank["before"].items():
+            assert torch.equal(before, rank["after"][name]), name
+
+
+@pytest.mark.distributed
+def test_a_nan_sample_skipped_leaves_the_run_to_finish_with_finite_evaluations(
+    nan_sample: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """Without its buffers put back, rank 0's NaN running mean (broadcast to every rank) made
+    every evaluation NaN, and the run stopped at the next checkpoint with exit status 3."""
+    run_dir, ranks = nan_sample
+    assert [rank["status"] for rank in ranks] == [0, 0]
+    losses = [record["eval/loss"] for record in read_metrics(run_dir) if "eval/loss" in record]
+    assert losses and all(map(math.isfinite, losses))
+    assert _checkpoints_are_finite(run_dir)
+
+
+class _OverflowingBufferTask(_BatchNormTask):
+    """Its loss multiplies the input tracker's buffer past float32's range at its 9th call
+    (step 3): every loss and gradient stays finite."""
+
+    def training_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        if self.calls == 8:
+            with torch.no_grad():
+                model[0].mean.mul_(1e30).mul_(1e30)
+        return super().training_loss(model, batch)
+
+
+def test_a_non_finite_buffer_is_named_with_its_module_and_the_data_not_the_learning_rate(
+    tmp_path: Path,
+) -> None:
+    config = load_config(None, [*FAST, f"run.dir={tmp_path}", "train.max_steps=8"])
+    trainer = make_trainer(config, task=_OverflowingBufferTask(config.task, seed=1))
+    with pytest.raises(DivergenceError) as error:
+        trainer.fit()
+    message = str(error.value)
+    assert "buffers held non-finite values at step 4, while every loss and gradient" in message
+    assert "mean of 0 (_InputTracker) on rank(s) 0" in message
+    assert "input samples" in message and "optim.lr" in message
+    assert "a lower optim.lr" not in message
+    assert [path.name for path in complete_checkpoints(tmp_path)] == []

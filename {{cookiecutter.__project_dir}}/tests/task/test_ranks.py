@@ -8,44 +8,150 @@ import builtins
 import io
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
 
 import {{ cookiecutter.package_name }}
 from {{ cookiecutter.package_name }}.cluster.distributed import ReplicaMismatchError
 from {{ cookiecutter.package_name }}.config import load_config
+from {{ cookiecutter.package_name }}.task import Task
+from {{ cookiecutter.package_name }}.train import main
+from {{ cookiecutter.package_name }}.training.replicas import ReplicaCheck
 
-from ..helpers import FAST, env_for, make_trainer, run_torchrun, spawn, write_fault_entry
+from ..helpers import (
+    FAST,
+    UPDATES,
+    env_for,
+    inner_modules,
+    make_trainer,
+    micro_batch_size,
+    run_torchrun,
+    spawn,
+    write_fault_entry,
+)
 
 PACKAGE_DIR = Path({{ cookiecutter.package_name }}.__file__).parent
 
 
-def _corrupt_rank_one_at_step_three(rank: int, world_size: int, run_dir: Path) -> dict:
-    config = load_config(None, [*FAST, f"run.dir={run_dir}", "dist.check_replicas_every=1"])
-    trainer = make_trainer(config, env_for(rank, world_size))
+class _PartingTask(Task):
+    """The project's task whose replicas part at step 5, after the first step's gradient
+    check, by `fault`: its loss bypasses DDP's forward, or changes a parameter in place on
+    rank 1 (one rank's optimizer stepping twice is the trainer's doing: `_part`)."""
 
-    def corrupt(optimizer: torch.optim.Optimizer, *_: object) -> None:
-        if rank == 1 and trainer.step == 2:  # the optimizer step that makes step 3
-            with torch.no_grad():
-                next(trainer.model.parameters()).add_(1e-3)
+    fault = ""
+    calls = 0
 
-    trainer.updates[0].optimizer.register_step_post_hook(corrupt)
+    def training_loss(self, model: nn.Module, batch: Any, **update: str) -> Any:
+        self.calls += 1
+        if self.calls == 4 * max(len(UPDATES), 1) + 1:  # step 5's first loss
+            if self.fault == "bypass":
+                model = inner_modules(model)
+            elif self.fault == "in place" and dist.get_rank() == 1:
+                with torch.no_grad():
+                    next(model.parameters()).mul_(1.001)
+        return super().training_loss(model, batch, **update)
+
+
+#: How the replicas part at step 5, with the settings of the run.
+PARTINGS = {
+    "bypass": (),
+    "in place": (),
+    "extra step": (),
+    "extra step, checked every step": ("dist.check_replicas_every=1",),
+}
+
+
+def _part(rank: int, world_size: int, workdir: Path) -> dict[str, dict]:
+    """Each way of parting the replicas, in runs of 8 steps of one micro-batch per rank (a
+    bypass of a micro-batch that accumulates would be all-reduced by the last one's)."""
+    return {
+        fault: _part_once(rank, world_size, workdir / str(index), fault, settings)
+        for index, (fault, settings) in enumerate(PARTINGS.items())
+    }
+
+
+def _part_once(
+    rank: int, world_size: int, run_dir: Path, fault: str, settings: tuple[str, ...]
+) -> dict:
+    """The error, the step where the run stopped, and the names of the model's parameters."""
+    overrides = [*FAST, f"run.dir={run_dir}", micro_batch_size(16, 32), "train.max_steps=8"]
+    config = load_config(None, [*overrides, *settings])
+    task = _PartingTask(config.task, seed=config.run.seed)
+    task.fault = fault
+    trainer = make_trainer(config, env_for(rank, world_size), task)
+    stepped: list[torch.optim.Optimizer] = []
+
+    def step_twice(optimizer: torch.optim.Optimizer, *_: object) -> None:
+        if rank == 1 and trainer.step == 4 and optimizer not in stepped:
+            stepped.append(optimizer)
+            optimizer.step()
+
+    if fault.startswith("extra step"):
+        trainer.updates[0].optimizer.register_step_post_hook(step_twice)
     try:
         trainer.fit()
-    except ReplicaMismatchError as error:
-        return {"error": str(error), "step": trainer.step}
-    return {"error": None, "step": trainer.step}
+        error = None
+    except ReplicaMismatchError as mismatch:
+        error = str(mismatch)
+    names = [name for name, _ in trainer.model.named_parameters()]
+    return {"error": error, "step": trainer.step, "names": names}
+
+
+@pytest.fixture(scope="module")
+def partings(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict]]:
+    workdir = tmp_path_factory.mktemp("partings")
+    return spawn(2, _part, workdir, workdir=workdir, timeout=240)
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_replica_check_catches_a_diverged_rank(tmp_path: Path) -> None:
-    """One rank's weights nudged outside DDP: every rank stops at that step, naming the rank."""
-    results = spawn(2, _corrupt_rank_one_at_step_three, tmp_path / "run", workdir=tmp_path)
-    for result in results:
-        assert result["step"] == 3
-        assert result["error"] is not None and "rank(s) [1] differ from rank 0" in result["error"]
+@pytest.mark.parametrize("fault", ["bypass", "in place", "extra step"])
+def test_replicas_that_part_after_the_first_step_stop_every_rank_at_the_next_log_line(
+    partings: list[dict[str, dict]], fault: str
+) -> None:
+    """By default: the replicas' checksums ride in the log line's gather (every 2 steps here),
+    so every rank stops at step 6, naming DDP, the steps since the last match and the
+    parameters, where the run would have trained each rank alone to exit 0."""
+    for rank in partings:
+        result = rank[fault]
+        assert result["step"] == 6, result
+        error = result["error"]
+        assert "step 6: the model's replicas differ between ranks: rank(s) 1 hold" in error
+        assert "something in steps 5 to 6 did not" in error
+        assert "bypasses the DDP wrapper (`model.module(...)`" in error
+        assert any(f"({name}" in error for name in result["names"]), error
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_replica_check_catches_a_diverged_rank(partings: list[dict[str, dict]]) -> None:
+    """dist.check_replicas_every=1: one rank's extra optimizer step is found at that very
+    step, on every rank."""
+    for rank in partings:
+        result = rank["extra step, checked every step"]
+        assert result["step"] == 5
+        assert "rank(s) 1 hold other values than rank 0" in result["error"]
+        assert "something in step 5 did not" in result["error"]
+
+
+def test_replicas_that_differ_end_a_launch_with_status_2_and_one_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refusal: the task's code must change, and a relaunch as it is would part them again."""
+
+    def differ(self: ReplicaCheck, rows: torch.Tensor, step: int) -> None:
+        raise ReplicaMismatchError(f"step {step}: the model's replicas differ between ranks")
+
+    monkeypatch.setattr(ReplicaCheck, "raise_if_differ", differ)
+    run_dir = tmp_path / "run"
+    assert main([*FAST, f"run.dir={run_dir}", "train.max_steps=2"]) == 2
+    log = (run_dir / "train.log").read_text()
+    assert "step 2: the model's replicas differ between ranks" in log
+    assert "Traceback" not in log
 
 
 def _files_written(rank: int, world_size: int, run_dir: Path) -> list[str]:

@@ -17,8 +17,7 @@ from {{ cookiecutter.package_name }}.loading.data import usable_cores
 from {{ cookiecutter.package_name }}.monitoring.metrics import read_metrics
 from {{ cookiecutter.package_name }}.task import Task
 from {{ cookiecutter.package_name }}.train import main
-from {{ cookiecutter.package_name }}.training import trainer as trainer_module
-from {{ cookiecutter.package_name }}.training.trainer import batch_split
+from {{ cookiecutter.package_name }}.training.trainer import Trainer, batch_split
 
 from ..helpers import FAST, TRAINING_LOSS, first_part, make_trainer
 
@@ -88,7 +87,7 @@ def test_logs_evaluations_and_replica_checks_fall_on_their_steps(
 ) -> None:
     """Each every so many steps, on its own interval, and all of them at the last step."""
     checked: list[int] = []
-    monkeypatch.setattr(trainer_module, "check_replicas", lambda _, step: checked.append(step))
+    monkeypatch.setattr(Trainer, "_check_replicas", lambda self: checked.append(self.step))
     run_dir = tmp_path / "run"
     intervals = ["train.log_every=3", "train.eval_every=5", "dist.check_replicas_every=6"]
     assert main([*FAST, f"run.dir={run_dir}", "train.max_steps=13", *intervals]) == 0

@@ -67,6 +67,11 @@ class CollectiveInEvaluationError(RuntimeError):
     the task's code must change (exit 2)."""
 
 
+class CollectiveInLossError(RuntimeError):
+    """The task's training loss exchanges data between ranks, and the batch split gives each
+    rank several micro-batches per step: another loss than the whole batch's (exit 2)."""
+
+
 @dataclass(frozen=True)
 class DistEnv:
     """This process's place in the job, read from the launcher's environment variables."""
@@ -456,25 +461,6 @@ def wrap_ddp(
     return ddp
 
 
-def check_replicas(model: torch.nn.Module, step: int) -> None:
-    """Raise on every rank if any rank's parameters differ from rank 0's.
-
-    Each rank all-gathers one float64 checksum per parameter; the comparison is exact, so any
-    drift (a rank-local update, a non-deterministic op outside DDP) is caught the step it appears.
-    """
-    if not is_distributed():
-        return
-    with torch.no_grad():
-        local = torch.stack([param.detach().double().sum() for param in model.parameters()])
-    gathered = gather_rows(local)
-    differing = [rank for rank, sums in enumerate(gathered) if not torch.equal(sums, gathered[0])]
-    if differing:
-        raise ReplicaMismatchError(
-            f"step {step}: parameters on rank(s) {differing} differ from rank 0. Look for "
-            "parameter updates outside the optimizer step, or random ops that depend on the rank."
-        )
-
-
 def check_gradients_reduced(
     model: torch.nn.Module, step: int, device: torch.device, ignored: Collection[str] = ()
 ) -> None:
@@ -582,6 +568,7 @@ _TORCH_DISTRIBUTED_CALLS = (
     "all_gather_coalesced",
     "all_gather_into_tensor",
     "all_gather_object",
+    "all_gather_single",
     "all_reduce",
     "all_reduce_coalesced",
     "all_to_all",
@@ -594,6 +581,7 @@ _TORCH_DISTRIBUTED_CALLS = (
     "gather_object",
     "reduce",
     "reduce_scatter",
+    "reduce_scatter_single",
     "reduce_scatter_tensor",
     "scatter",
     "scatter_object_list",
@@ -638,11 +626,16 @@ _EXCHANGES = {
 }
 
 
-#: (thread, the task's method) while that method runs under collectives_refused; else None.
-_refused_call: tuple[int, str] | None = None
-#: The refusing stand-in of each exchange function, made once: (module, name) -> (the
+#: (thread, what to do at each exchange called in it: refuse it, or note it) while a task's
+#: method runs under collectives_refused or collectives_noted; else None.
+_watch: tuple[int, Callable[[str], None]] | None = None
+#: The watching stand-in of each exchange function, made once: (module, name) -> (the
 #: function, its stand-in).
 _stand_ins: dict[tuple[str, str], tuple[Callable[..., Any], Callable[..., Any]]] = {}
+#: torch's own files; among them, those a task's call passes through on its way to a
+#: collective (torch.distributed.nn.functional's autograd functions, torch.distributed's).
+_TORCH_DIR = os.path.join(os.path.dirname(torch.__file__), "")
+_ON_THE_WAY = tuple(os.path.join(_TORCH_DIR, part, "") for part in ("distributed", "autograd"))
 
 
 @contextmanager
@@ -658,41 +651,10 @@ def collectives_refused(method: str) -> Iterator[None]:
     written in the background) go through. The modules' own functions are back on leaving:
     the stand-ins live only around the call (about 0.1 ms per batch).
     """
-    global _refused_call
-    replaced = []
-    for module_name, names in _EXCHANGES.items():
-        module = sys.modules.get(module_name)
-        if module is None:  # the functional collectives, until something imports them
-            continue
-        for name in names:
-            original = getattr(module, name, None)
-            if original is not None:
-                setattr(module, name, _stand_in(module_name, name, original))
-                replaced.append((module, name, original))
-    _refused_call = (threading.get_ident(), method)
-    try:
-        yield
-    finally:
-        _refused_call = None
-        for module, name, original in replaced:
-            setattr(module, name, original)
 
-
-def _stand_in(module_name: str, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-    """`original`, refused in the thread and while the call of `_refused_call` runs."""
-    made = _stand_ins.get((module_name, name))
-    if made is not None and made[0] is original:
-        return made[1]
-    qualified_name = f"{module_name}.{name}"
-
-    @functools.wraps(original)
-    def refused(*args: Any, **kwargs: Any) -> Any:
-        call = _refused_call
-        if call is None or call[0] != threading.get_ident():
-            return original(*args, **kwargs)
-        method = call[1]
+    def refuse(name: str) -> None:
         raise CollectiveInEvaluationError(
-            f"the task's {method} called {qualified_name}, which every rank must call alike, "
+            f"the task's {method} called {name}, which every rank must call alike, "
             f"and {method} cannot: evaluation counts every sample once, so each rank evaluates "
             "its own share of the evaluation set, the shares differ by up to a sample, and the "
             "ranks' batches can differ in size or in number (a collective would pair tensors "
@@ -703,5 +665,110 @@ def _stand_in(module_name: str, name: str, original: Callable[..., Any]) -> Call
             "of batches: compute it after training, from the exported model (load_model)."
         )
 
-    _stand_ins[module_name, name] = (original, refused)
-    return refused
+    with _collectives_watched(refuse):
+        yield
+
+
+@contextmanager
+def collectives_noted() -> Iterator[list[tuple[str, str]]]:
+    """Around a call of the task's `training_loss`: the exchanges between ranks that the
+    task's code calls, as (function, where the task called it), in a list filled as they run.
+    They go through. Those that torch's own modules make on their own (SyncBatchNorm's
+    statistics, DDP's) are not the task's, and are left out. Other threads' calls go through
+    unseen, as under collectives_refused."""
+    noted: list[tuple[str, str]] = []
+
+    def note(name: str) -> None:
+        where = _task_call_site()
+        if where is not None:
+            noted.append((name, where))
+
+    with _collectives_watched(note):
+        yield noted
+
+
+@contextmanager
+def exchanges_checked(accumulation_steps: int, batch: str, per_rank: int) -> Iterator[None]:
+    """Around a call of the task's `training_loss` at a launch's first step: refuse a loss
+    that exchanges data between ranks when the batch split (`batch`, in words) gives a rank
+    `accumulation_steps` > 1 micro-batches per step.
+
+    With one micro-batch per rank and step, an exchange (targets normalised by an all-reduced
+    mean, negatives gathered from every rank) reaches the step's whole batch, as one process
+    with that batch would: the loss is exact. Under accumulation each call exchanges only the
+    micro-batches of its turn, and the step trains another loss, by 1e-3 after a few steps,
+    with nothing to show for it. Refused (CollectiveInLossError) once the loss returns, on
+    every rank alike (every rank calls the collective), naming it, where the task called it,
+    and the micro-batch size of one micro-batch per rank (`per_rank`).
+    """
+    with collectives_noted() as exchanges:
+        yield
+    if not exchanges or accumulation_steps == 1:
+        return
+    name, where = exchanges[0]
+    raise CollectiveInLossError(
+        f"the task's training_loss called {name} ({where}), which exchanges data between the "
+        f"ranks, and {batch} takes {accumulation_steps} micro-batches per rank and step: each "
+        "call then exchanges only the micro-batches of its turn, never the step's whole batch, "
+        "and the step trains another loss than one process with that batch would, with nothing "
+        f"to show for it. Set train.micro_batch_size={per_rank} (train.global_batch_size / "
+        "ranks: one micro-batch per rank and step, where the exchange is exact), or launch more "
+        "ranks; with Task.whole_batch_loss = True such a split is refused before the launch. "
+        "torch's own layers (SyncBatchNorm) are not counted."
+    )
+
+
+@contextmanager
+def _collectives_watched(handle: Callable[[str], None]) -> Iterator[None]:
+    """Every exchange function of `_EXCHANGES` replaced by a stand-in that passes its name to
+    `handle` before it runs, in this thread; the modules' own functions are back on leaving."""
+    global _watch
+    replaced = []
+    for module_name, names in _EXCHANGES.items():
+        module = sys.modules.get(module_name)
+        if module is None:  # the functional collectives, until something imports them
+            continue
+        for name in names:
+            original = getattr(module, name, None)
+            if original is not None:
+                setattr(module, name, _stand_in(module_name, name, original))
+                replaced.append((module, name, original))
+    _watch = (threading.get_ident(), handle)
+    try:
+        yield
+    finally:
+        _watch = None
+        for module, name, original in replaced:
+            setattr(module, name, original)
+
+
+def _stand_in(module_name: str, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """`original`, whose calls in the watched thread are handed to `_watch` first."""
+    made = _stand_ins.get((module_name, name))
+    if made is not None and made[0] is original:
+        return made[1]
+    qualified_name = f"{module_name}.{name}"
+
+    @functools.wraps(original)
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        watch = _watch
+        if watch is not None and watch[0] == threading.get_ident():
+            watch[1](qualified_name)
+        return original(*args, **kwargs)
+
+    _stand_ins[module_name, name] = (original, watched)
+    return watched
+
+
+def _task_call_site() -> str | None:
+    """Where the exchange being watched was called from ("task.py line 87"): the nearest
+    caller past this module, torch.distributed and autograd (which a task's call passes
+    through); None when that caller is torch's own code (a layer such as SyncBatchNorm)."""
+    frame = sys._getframe(1)
+    while frame is not None and (
+        frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith(_ON_THE_WAY)
+    ):
+        frame = frame.f_back
+    if frame is None or frame.f_code.co_filename.startswith(_TORCH_DIR):
+        return None
+    return f"{Path(frame.f_code.co_filename).name} line {frame.f_lineno}"

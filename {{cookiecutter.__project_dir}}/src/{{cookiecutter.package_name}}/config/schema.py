@@ -345,8 +345,10 @@ class DistConfig:
     `timeout_s` bounds start-up and every training collective: a rank that hangs or dies ends
     the job after that long instead of leaving the others waiting. `barrier_timeout_s` bounds the
     waits around checkpoint writes and work only rank 0 does (a tracker that starts slowly).
-    `check_replicas_every` > 0 compares a checksum of every parameter across ranks every that
-    many steps (a debugging aid: replicas that drift apart mean a bug outside DDP).
+    The ranks' replicas are compared at every log line and before every checkpoint (a checksum
+    of the parameters rides in their all-gather): replicas that part mean a change outside DDP,
+    and every rank stops with exit status 2, naming the parameters. `check_replicas_every` > 0
+    compares them also every that many steps, in an all-gather of its own, to find the step.
     Before the first step the ranks compare their code, settings, versions, devices and data
     (agreement.py); `allow_mixed_devices` lets ranks with different GPU types train together.
     Under NCCL, each rank's flight recorder keeps its last `flight_recorder_entries` collectives
@@ -389,7 +391,7 @@ class DistConfig:
     comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = "none"
     #: Rank of PowerSGD's low-rank gradient approximation.
     powersgd_rank: int = 1
-    #: Compare parameter checksums across ranks every that many steps; 0: off.
+    #: Also compare the replicas every that many steps (they are at every log line); 0: not.
     check_replicas_every: int = 0
     #: Train on ranks with different GPU types (refused by default).
     allow_mixed_devices: bool = False
@@ -407,7 +409,10 @@ class DistConfig:
             powersgd_rank=self.powersgd_rank,
         )
         if self.check_replicas_every < 0:
-            raise ConfigError("dist.check_replicas_every must be >= 0 (0 turns the check off)")
+            raise ConfigError(
+                "dist.check_replicas_every must be >= 0 (0: the replicas are compared at log "
+                "lines and checkpoints only)"
+            )
         if self.flight_recorder_entries < 0:
             raise ConfigError(
                 "dist.flight_recorder_entries must be >= 0 (0 turns NCCL's flight recorder off)"

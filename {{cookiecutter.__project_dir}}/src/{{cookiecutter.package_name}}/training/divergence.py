@@ -8,9 +8,11 @@ the broken weights.
 The guard records, on the device, the first step whose loss (on this rank) or gradient norm (the
 same on every rank: it is taken after the all-reduce) was not finite. The trainer reads that
 record where it waits for the device anyway: in the gather of the log line, and before every
-checkpoint, where the weights themselves are checked too. Every rank reads the same gathered
-record, so all of them stop at the same step, and the newest checkpoint is always one whose
-every value is finite.
+checkpoint, where the parameters and buffers themselves are checked too. Every rank reads the
+same gathered record, so all of them stop at the same step, and the newest checkpoint is always
+one whose every value is finite. Non-finite parameters or buffers are named, with their module
+and rank; a buffer is not trained (the forward writes BatchNorm's statistics from its inputs),
+so its advice is about the data, not the learning rate.
 
 A step only keeps its values aside (no device work: a handful of tiny operations per step
 would cost more than the rest of the trainer's bookkeeping together); they are checked all at
@@ -23,9 +25,12 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterator
 
 import torch
+from torch import nn
+
+from ..cluster.distributed import gather_objects
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +46,7 @@ class DivergenceGuard:
     """Records the first non-finite loss and gradient norm of this rank, on its device."""
 
     #: Entries of `record()`, in order.
-    FIELDS = ("loss", "grad_norm", "weights")
+    FIELDS = ("loss", "grad_norm", "parameters", "buffers")
     #: The most steps whose values wait to be checked: a bound on the tensors kept alive.
     PENDING_STEPS = 1000
 
@@ -59,6 +64,8 @@ class DivergenceGuard:
         self._pending_from = 0
         self._per_step = 0
         self._finite = torch.zeros((), dtype=torch.float64, device=device)
+        #: The models the last `check_weights` looked at, by what the messages call them.
+        self._checked: dict[str, nn.Module] = {}
 
     def end_step(
         self,
@@ -87,18 +94,18 @@ class DivergenceGuard:
         watched = grad_norm is not None and self.watch_gradients
         self._norms.append(grad_norm if watched else self._finite)
 
-    def check_weights(self, step: int, modules: Iterable[torch.nn.Module]) -> None:
-        """Record `step` if any parameter or buffer of `modules` is not finite (before a save:
-        finite losses and gradients can still step the weights out of range)."""
-        tensors = [
-            tensor.detach()
-            for module in modules
-            for tensor in (*module.parameters(), *module.buffers())
-            if tensor.is_floating_point()
-        ]
-        if tensors:
-            finite = torch.stack([tensor.isfinite().all() for tensor in tensors]).all()
-            self._mark(slice(2, 3), torch.where(finite, 0.0, math.inf).reshape(1), step)
+    def check_weights(self, step: int, models: dict[str, nn.Module]) -> None:
+        """Record `step` if any parameter or floating-point buffer of `models` is not finite
+        (before a save: finite losses and gradients can still step the weights out of range,
+        and a forward can write a non-finite buffer while its loss stays finite). `models`:
+        each model by what the messages call it ("" for the one trained)."""
+        self._checked = models
+        for field, kind in enumerate(self.FIELDS[2:], start=2):
+            tensors = [tensor.detach() for *_, tensor in _floating(models, kind)]
+            if tensors:
+                finite = torch.stack([tensor.isfinite().all() for tensor in tensors]).all()
+                values = torch.where(finite, 0.0, math.inf).reshape(1)
+                self._mark(slice(field, field + 1), values, step)
 
     def _mark(self, fields: slice, values: torch.Tensor, step: int) -> None:
         marks = torch.where(values.isfinite(), math.inf, float(step))
@@ -123,16 +130,22 @@ class DivergenceGuard:
         self._check_pending()
         return torch.nan_to_num(self._first, posinf=0.0)
 
-    @staticmethod
-    def raise_if_diverged(rows: torch.Tensor, saved: str) -> None:
+    def raise_if_diverged(self, rows: torch.Tensor, saved: str) -> None:
         """Raise DivergenceError, on every rank alike, if any rank's gathered record (one row
         per rank, `record()`'s fields) shows a non-finite value; `saved` names the newest
-        checkpoint, which holds none of them."""
+        checkpoint, which holds none of them. Non-finite parameters or buffers are named from
+        every rank's, in a collective."""
         seen = rows[rows > 0]
         if seen.numel() == 0:
             return
         step = int(seen.min())
         loss_ranks = [rank for rank, row in enumerate(rows.tolist()) if row[0] == step]
+        advice = (
+            f"No checkpoint holds these values; the newest is {saved}. A relaunch resumes from "
+            "there and meets the same values again unless something changes: a lower "
+            "optim.lr, optim.grad_clip, the data at that step, or train.on_nonfinite=skip to "
+            "skip such steps."
+        )
         if loss_ranks:
             what = (
                 f"the loss was not finite at step {step} on rank(s) "
@@ -144,20 +157,64 @@ class DivergenceGuard:
                 f"the gradient norm was not finite at step {step} (after the all-reduce, on "
                 "every rank), while every loss was finite"
             )
+        elif bool((rows[:, 2] == step).any()):
+            what = f"parameters held non-finite values at step {step}: {self._named('parameters')}"
         else:
-            what = f"the weights held non-finite values at step {step}"
-        raise DivergenceError(
-            f"training diverged: {what}. No checkpoint holds these values; the newest is "
-            f"{saved}. A relaunch resumes from there and meets the same values again unless "
-            "something changes: a lower optim.lr, optim.grad_clip, the data at that step, or "
-            "train.on_nonfinite=skip to skip such steps."
-        )
+            what = (
+                f"buffers held non-finite values at step {step}, while every loss and gradient "
+                f"norm was finite: {self._named('buffers')}"
+            )
+            advice = (
+                "A buffer is not trained: the forward writes it from its inputs (BatchNorm's "
+                "running statistics) or the task's code sets it, so neither optim.lr nor "
+                "optim.grad_clip changes it. Look for a non-finite value in the input samples "
+                "of the steps since the newest checkpoint, or in what the task's code writes "
+                f"into that buffer. No checkpoint holds these values; the newest is {saved}, "
+                "where a relaunch resumes."
+            )
+        raise DivergenceError(f"training diverged: {what}. {advice}")
+
+    def _named(self, kind: str) -> str:
+        """The non-finite `kind` ("parameters" or "buffers") of every rank's checked models,
+        each with its module and the ranks that hold it (a collective)."""
+        tensors = _floating(self._checked, kind)
+        mine = [name for name, tensor in tensors if not bool(tensor.isfinite().all())]
+        ranks: dict[str, list[str]] = {}
+        for rank, names in enumerate(gather_objects(mine)):
+            for name in names:
+                ranks.setdefault(name, []).append(str(rank))
+        found = [f"{name} on rank(s) {', '.join(held)}" for name, held in ranks.items()]
+        return "; ".join(found[:5]) + ("; ..." if len(found) > 5 else "")
+
+
+def _floating(models: dict[str, nn.Module], kind: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The floating-point parameters or buffers (`kind`) of `models`, each with a name that
+    says where it is: "running_mean of net.3 (BatchNorm1d)", and "in <model>" for a model
+    with a name (the moving average)."""
+    for label, model in models.items():
+        where = f" in {label}" if label else ""
+        for path, module in model.named_modules():
+            owned = (
+                module.named_parameters(recurse=False)
+                if kind == "parameters"
+                else module.named_buffers(recurse=False)
+            )
+            for name, tensor in owned:
+                if tensor.is_floating_point():
+                    owner = f"{path} ({type(module).__name__})" if path else type(module).__name__
+                    yield f"{name} of {owner}{where}", tensor
 
 
 class SkipPolicy:
-    """train.on_nonfinite=skip: a step whose gradient norm is not finite leaves the weights,
-    the optimizer's moments and the moving average as they are, on every rank alike (the norm
-    is taken after the all-reduce); the run stops once more than `limit` steps were skipped."""
+    """train.on_nonfinite=skip: a step whose gradient norm is not finite leaves the model as it
+    was (its weights and buffers), the optimizer's moments and the moving average, on every
+    rank alike (the norm is taken after the all-reduce); the run stops once more than `limit`
+    steps were skipped.
+
+    The forward changes buffers before the step is judged (BatchNorm's running statistics and
+    its count of batches; a NaN sample makes them NaN for the rest of the run): every buffer
+    is copied before the forwards, and put back if the step is skipped.
+    """
 
     def __init__(self, enabled: bool, limit: int, is_main: bool) -> None:
         self.enabled = enabled
@@ -165,11 +222,26 @@ class SkipPolicy:
         self.is_main = is_main
         #: Steps skipped in the run (in every checkpoint).
         self.skipped = 0
+        #: The model's buffers before this update's forwards: (module, name, the tensor, a
+        #: copy of its values).
+        self._kept: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
+
+    def keep_buffers(self, model: nn.Module) -> None:
+        """Before an update's forwards, when skipping: copy every buffer of `model` (one copy
+        each, per update and step), to put back if the step is skipped."""
+        if self.enabled:  # `_buffers`: the public named_buffers costs twice as much, per step
+            self._kept = [
+                (module, name, buffer, buffer.clone())
+                for module in model.modules()
+                for name, buffer in module._buffers.items()
+                if buffer is not None
+            ]
 
     def skips(self, step: int, grad_norm: torch.Tensor | None, update: str | None = None) -> bool:
         """Whether `step` (of `update`, in a task with `Task.updates`: each is skipped on its
-        own, and counts) is skipped. Reads the norm, which waits for the device: the price of
-        this policy, once per step."""
+        own, and counts) is skipped; a skipped step's buffers are put back as `keep_buffers`
+        found them. Reads the norm, which waits for the device: the price of this policy, once
+        per step."""
         if not self.enabled or grad_norm is None or bool(torch.isfinite(grad_norm)):
             return False
         self.skipped += 1
@@ -185,4 +257,14 @@ class SkipPolicy:
             )
         if self.is_main:
             log.warning("%s", message)
+        self._put_back_buffers()
         return True
+
+    @torch.no_grad()
+    def _put_back_buffers(self) -> None:
+        """The kept values, in the tensors that were the buffers: those DDP broadcasts (a
+        forward that gave a buffer's name a new tensor, as `self.mean = ...` does, gets the
+        old one back)."""
+        for module, name, buffer, kept in self._kept:
+            setattr(module, name, buffer)
+            buffer.copy_(kept)

@@ -37,8 +37,8 @@ from ..cluster.distributed import (
     DistEnv,
     all_reduce_sum,
     check_gradients_reduced,
-    check_replicas,
     collectives_refused,
+    exchanges_checked,
     explain_unused_parameters,
     gather_objects,
     gather_rows,
@@ -58,11 +58,14 @@ from . import rng
 from .divergence import DivergenceGuard, SkipPolicy
 from .losses import StepLoss, WindowSums, window_means
 from .optimizer import as_built, build_optimizer, build_scheduler, clear_gradients, own_options
+from .replicas import ReplicaCheck
 from .updates import ModelParts, Update, log_prefix, model_parts, sync_context
 
 log = logging.getLogger(__name__)
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
+#: Around the task's loss once a launch's first step has checked it: nothing.
+_UNWATCHED = nullcontext()
 
 
 def batch_split(global_batch_size: int, max_micro: int, world_size: int) -> tuple[int, int]:
@@ -86,6 +89,14 @@ def batch_split(global_batch_size: int, max_micro: int, world_size: int) -> tupl
     per_rank = global_batch_size // world_size
     micro = max(size for size in range(1, min(per_rank, max_micro) + 1) if per_rank % size == 0)
     return micro, per_rank // micro
+
+
+def describe_split(global_batch_size: int, max_micro: int, world_size: int) -> str:
+    """The batch settings of a launch, in words, for the refusals of a split."""
+    return (
+        f"train.global_batch_size={global_batch_size} on {world_size} rank(s) with "
+        f"train.micro_batch_size={max_micro}"
+    )
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
@@ -124,6 +135,8 @@ class Trainer:
         self.micro_batch_size, self.accumulation_steps = batch_split(
             train.global_batch_size, train.micro_batch_size, env.world_size
         )
+        #: The batch settings, in words, for the refusals of the split.
+        self.split = describe_split(train.global_batch_size, train.micro_batch_size, env.world_size)
         checkpoint = config.checkpoint
         self.stop = stop or StopRequests(checkpoint.stop_on_signals, checkpoint.stop_check_s)
         self.step = 0
@@ -308,8 +321,11 @@ class Trainer:
         self.skips = SkipPolicy(
             train.on_nonfinite == "skip", train.max_skipped_steps, self.env.is_main
         )
-        #: Whether this launch's first step found its gradients all-reduced (a task may skip DDP).
-        self.gradients_checked = False
+        #: Whether this launch's first step ran: it checks what a task's code can get wrong
+        #: with DDP (gradients not all-reduced, exchanges in its loss under accumulation).
+        self.first_step_done = False
+        #: The replicas' checksums, compared in the gathers of log lines and saves.
+        self.replicas = ReplicaCheck(self.model, self.updates, device)
         self.best = BestCheckpoint(self.config.best)
         #: What `_periodic` does falls on multiples of this, the intervals' greatest common
         #: divisor (or on the last step): at the other steps it has nothing to ask.
@@ -455,7 +471,7 @@ class Trainer:
             if not skipped:
                 stepped.append(norm)
                 losses += update.loss.values
-        self.gradients_checked = True
+        self.first_step_done = True
         if self.ema is not None and stepped:
             self.ema.update_parameters(self.model)
         self.guard.end_step(self.step + 1, losses, _one_norm(stepped), skipped=not stepped)
@@ -478,6 +494,7 @@ class Trainer:
         """
         losses = update.loss
         losses.start()
+        self.skips.keep_buffers(self.model)  # a skipped step puts them back
         try:
             for micro_step, batch in enumerate(micro_batches):
                 last = micro_step == self.accumulation_steps - 1
@@ -493,7 +510,7 @@ class Trainer:
         with self.ranges.optimizer:
             update.scaler.unscale_(update.optimizer)  # the true gradients (fp16 scales the loss)
             losses.rescale_gradients(update.parameters)
-            if not self.gradients_checked:  # the launch's first step
+            if not self.first_step_done:  # the launch's first step
                 self._check_gradients_reduced(update)
             grad_norm = self._clip_gradients(update.parameters)
             skip = self.skips.skips(self.step + 1, grad_norm, update.name)
@@ -507,9 +524,16 @@ class Trainer:
         return grad_norm, skip
 
     def _training_loss(self, update: Update, batch: Any) -> Any:
-        if update.name is None:
-            return self.task.training_loss(update.call, batch)
-        return self.task.training_loss(self.parts, batch, update=update.name)
+        """The task's loss of `batch`; at a launch's first step, watched for exchanges between
+        ranks, which gradient accumulation would make another loss (distributed.py)."""
+        watch = _UNWATCHED
+        if not self.first_step_done:
+            per_rank = self.config.train.global_batch_size // self.env.world_size
+            watch = exchanges_checked(self.accumulation_steps, self.split, per_rank)
+        with watch:
+            if update.name is None:
+                return self.task.training_loss(update.call, batch)
+            return self.task.training_loss(self.parts, batch, update=update.name)
 
     def _read_micro_batches(self, batches: Iterator[Any]) -> Iterator[Any]:
         """Each micro-batch of the step on the device, read as the update trains on it; the
@@ -659,7 +683,7 @@ class Trainer:
         if self.step % self.periodic_every and self.step != self.total_steps:
             return False  # nothing below is due
         if config.dist.check_replicas_every and self._due(config.dist.check_replicas_every):
-            check_replicas(self.model, self.step)
+            self._check_replicas()
         if self._due(config.train.log_every):
             self._log_train(epoch, grad_norms)
         new_best = False
@@ -683,9 +707,11 @@ class Trainer:
         once, and return once this step's checkpoint is complete (one in flight included).
         """
         if self.saved_step != self.step:
-            models = [self.model] if self.ema is None else [self.model, self.ema.module]
+            models = {"": self.model}
+            if self.ema is not None:
+                models["the moving average"] = self.ema.module
             self.guard.check_weights(self.step, models)
-            self._raise_if_diverged(gather_rows(self.guard.record()).cpu())
+            self._raise_on_checks(gather_rows(self._checks()).cpu())
             if scheduled and self.background is not None:
                 self.save_in_background()
             else:
@@ -694,9 +720,23 @@ class Trainer:
         if not scheduled:
             self.wait_for_save()
 
-    def _raise_if_diverged(self, guard_rows: torch.Tensor) -> None:
+    def _checks(self) -> torch.Tensor:
+        """This rank's share of the checks that ride in the gathers of log lines and saves:
+        the non-finite guard's record and the replicas' checksum."""
+        return torch.cat([self.guard.record(), self.replicas.checksum()])
+
+    def _raise_on_checks(self, rows: torch.Tensor) -> None:
+        """Stop every rank alike on what the gathered checks show (a row per rank, `_checks`'
+        entries): non-finite values first, then replicas that differ (divergence.py,
+        replicas.py)."""
+        fields = len(self.guard.FIELDS)
         newest = latest_checkpoint(self.run_dir)
-        self.guard.raise_if_diverged(guard_rows, newest.name if newest else "none yet")
+        self.guard.raise_if_diverged(rows[:, :fields], newest.name if newest else "none yet")
+        self.replicas.raise_if_differ(rows[:, fields:], self.step)
+
+    def _check_replicas(self) -> None:
+        """dist.check_replicas_every: the replicas compared in a gather of their own."""
+        self.replicas.raise_if_differ(gather_rows(self.replicas.checksum()).cpu(), self.step)
 
     def _stop_early(self) -> int:
         """best.patience evaluations without improvement: every rank stops here, with a
@@ -730,11 +770,12 @@ class Trainer:
         sums = self.window.totals(names)
         timing = [window.train_s, window.data_wait_s, float(window.peak_memory)]
         local = sums.new_tensor([*timing, *self.stragglers.row()])
-        # The divergence guard's record rides along: no collective of its own.
-        rows = gather_rows(torch.cat([sums, local, self.guard.record()])).cpu()
+        # The divergence guard's record and the replicas' checksum ride along: no collective
+        # of their own.
+        rows = gather_rows(torch.cat([sums, local, self._checks()])).cpu()
         timings = rows[:, len(names) : len(names) + len(timing)]
         straggling = rows[:, len(names) + len(timing) : len(names) + len(local)]
-        guard_rows = rows[:, len(names) + len(local) :]
+        checks = rows[:, len(names) + len(local) :]
         totals = dict(zip(names, rows[:, : len(names)].sum(dim=0).tolist(), strict=True))
         units = totals["units"] if self.units_of_batches else window.steps * self.units_per_step
         self.total_units += units
@@ -764,7 +805,7 @@ class Trainer:
             log.warning("%s", warning)
         self.metrics.log(self.step, {**values, **figures, "epoch": epoch})
         self.window.reset()
-        self._raise_if_diverged(guard_rows)
+        self._raise_on_checks(checks)
         self.meter.resume()
 
     def _log_summary(self, first_step: int, wall_s: float) -> None:
@@ -865,7 +906,7 @@ class Trainer:
         step = self.checkpointer.resume()
         if step is None:
             return False
-        self.step = step
+        self.step = self.replicas.matched_at = step  # every rank loaded the same weights
         return True
 
     def start_fresh(self) -> None:
