@@ -112,7 +112,7 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
     modules += [f"monitoring/{name}" for name in ("logs", "metrics", "profiling", "stragglers")]
     modules += ["monitoring/throughput"]
     modules += [f"training/{name}" for name in ("divergence", "losses", "optimizer", "rng")]
-    modules += ["training/trainer", "training/updates"]
+    modules += ["training/lazy", "training/trainer", "training/updates"]
     files |= {f"src/{package}/{name}.py" for name in modules}
     if combo["use_slurm"]:
         files.add("launch/slurm/train.sbatch")
