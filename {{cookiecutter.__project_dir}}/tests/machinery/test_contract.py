@@ -226,8 +226,8 @@ def test_a_model_compiled_in_build_model_saves_exports_and_loads_under_its_plain
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """torch.compile's wrapper adds `_orig_mod.` to the names: checkpoints and the export leave
-    it out, a compiled model resumes bitwise, and weights move between compiled and plain
-    models both ways, also from a file saved with the prefix."""
+    it out (a compiled block's too), a compiled model resumes bitwise, and weights move between
+    compiled and plain models both ways, also from a file saved with the prefix."""
     straight, resumed = _straight_and_resumed(tmp_path, CompiledTask)
     _assert_bitwise(_state(straight), _state(resumed))
     run_dir = tmp_path / "resumed"
@@ -247,6 +247,9 @@ def test_a_model_compiled_in_build_model_saves_exports_and_loads_under_its_plain
     compiled = CompiledTask(None, seed=0).build_model()
     load_initial_weights(compiled, run_dir / "export" / "model.safetensors")
     _assert_bitwise(compiled.state_dict(), _state(resumed))
+    block_compiled = torch.nn.Sequential(torch.compile(torch.nn.Linear(4, 2), backend="eager"))
+    exported = export_weights(block_compiled, tmp_path / "block", "")
+    assert sorted(safetensors.torch.load_file(exported)) == ["0.bias", "0.weight"]
 
 
 class BypassingTwoPlayerTask(TwoPlayerTask):

@@ -128,7 +128,7 @@ def export_weights(
     task took from its data to build the model, so that the folder alone rebuilds it. Each file
     is written under a temporary name, synced and renamed, so a crash leaves the previous export
     or the new one, never half a file. A DDP, EMA or compiled wrapper is looked through: the
-    names are the bare model's. Returns the weights' path.
+    names are the bare model's, plain. Returns the weights' path.
     """
     export_dir = Path(run_dir) / EXPORT_DIR
     export_dir.mkdir(parents=True, exist_ok=True)
@@ -136,8 +136,8 @@ def export_weights(
         _export_task_parts(adopt(task), export_dir)
     target = export_dir / f"{name}{SAFETENSORS_SUFFIX}"
     partial = target.with_name(target.name + ".partial")
-    # save_model stores tied tensors once and makes every tensor contiguous (on the CPU).
-    safetensors.torch.save_model(_bare(model), str(partial))
+    tensors, tied = _exported_tensors(_bare(model))
+    safetensors.torch.save_file(tensors, str(partial), metadata=tied or None)
     with open(partial, "rb+") as handle:
         os.fsync(handle.fileno())
     os.replace(partial, target)
@@ -383,11 +383,27 @@ def _not_weights_dir(path: Path) -> str:
 
 
 def _bare(model: nn.Module) -> nn.Module:
-    """The model inside DDP, an EMA's AveragedModel or torch.compile: its names carry no prefix."""
-    while True:
-        if isinstance(model, (DistributedDataParallel, AveragedModel)):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
+    """The model inside DDP or an EMA's AveragedModel, whose names carry no `module.`."""
+    while isinstance(model, (DistributedDataParallel, AveragedModel)):
+        model = model.module
+    return model
+
+
+def _exported_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The model's tensors under plain names, contiguous and on the CPU, a tied tensor once:
+    under the first of its names in sorted order, as safetensors' save_model keeps it; and each
+    name left out, with the name it is stored under (safetensors' metadata for ties)."""
+    state = plain_state_dict(model)
+    stored_as: dict[tuple, str] = {}
+    for key in sorted(state):
+        identity = _identity(state[key])
+        if identity is not None:
+            stored_as.setdefault(identity, key)
+    tensors, tied = {}, {}
+    for key, tensor in state.items():
+        identity = _identity(tensor)
+        if identity is None or stored_as[identity] == key:
+            tensors[key] = tensor.detach().cpu().contiguous()
         else:
-            return model
+            tied[key] = stored_as[identity]
+    return tensors, tied
