@@ -186,16 +186,21 @@ def test_a_streamed_data_set_is_refused_with_what_to_do_instead(tmp_path: Path) 
     assert "load_dataset without streaming=True" in str(error.value)
 
 
+def _refused_launch(task_class: type, run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The log of a launch of `task_class`, which ends with exit status 2 and no traceback."""
+    monkeypatch.setattr(train, "Task", task_class)
+    assert train.main([*FAST, f"run.dir={run_dir}", "train.max_steps=4"]) == 2
+    log = (run_dir / "train.log").read_text()
+    assert "Traceback" not in log
+    return log
+
+
 def test_a_launch_with_a_streamed_data_set_exits_2_with_one_message(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A refusal, as a bad setting is: the task's code must change."""
-    monkeypatch.setattr(train, "Task", StreamingTokenTask)
-    run_dir = tmp_path / "run"
-    assert train.main([*FAST, f"run.dir={run_dir}", "train.max_steps=4"]) == 2
-    log = (run_dir / "train.log").read_text()
+    log = _refused_launch(StreamingTokenTask, tmp_path / "run", monkeypatch)
     assert "a training set that cannot be indexed (_Stream" in log
-    assert "Traceback" not in log
 
 
 def test_lazy_modules_take_their_shapes_from_the_first_micro_batch_and_resume_bitwise(
@@ -777,9 +782,5 @@ def test_a_launch_whose_evaluation_all_reduces_exits_2_naming_the_collective(
 ) -> None:
     """Refused on one rank too, where no process group exists: the same code would hang or
     abort on several. Status 2, as for a setting: the task's code must change."""
-    monkeypatch.setattr(train, "Task", AllReducingTokenTask)
-    run_dir = tmp_path / "run"
-    assert train.main([*FAST, f"run.dir={run_dir}", "train.max_steps=4"]) == 2
-    log = (run_dir / "train.log").read_text()
+    log = _refused_launch(AllReducingTokenTask, tmp_path / "run", monkeypatch)
     assert "evaluation_sums called torch.distributed.all_reduce" in log
-    assert "Traceback" not in log
