@@ -86,6 +86,15 @@ TASK_INDEPENDENT = [
     "tests/machinery/test_benchmarks.py::test_checkpoint_stall_reports_the_pause_of_both_kinds_of_save_and_their_ratio",
     "tests/task/test_async_checkpoint.py::test_the_next_background_save_waits_for_the_one_in_flight_and_collectives_do_not_mix",
 ]
+#: Tests of TASK_INDEPENDENT that read the task's form all the same: the names a task with
+#: updates logs its loss under, the micro-batch of a whole-batch loss, the split of a step into
+#: micro-batches, a loss that exchanges data between ranks (where a slow rank keeps the others
+#: waiting). The recipes of those forms run them (tests/test_user_tasks.py).
+READ_THE_TASK_FORM = [
+    "tests/task/test_distributed.py::test_failing_rank_ends_the_job_with_an_error",
+    "tests/task/test_amp.py::test_inf_gradient_on_one_rank_skips_the_step_on_every_rank",
+    "tests/task/test_slow_rank.py",
+]
 #: What a project of another task runs: the suite but the fault tests, the tests that train
 #: tasks of their own (own_tasks), those of modules no task changes (standalone) and the
 #: task-independent mechanisms, which the default project ran.
@@ -262,6 +271,7 @@ def test_a_test_module_is_changed_by_the_options_of_the_code_it_is_named_for() -
 
 def test_the_task_independent_tests_exist() -> None:
     """A renamed test would make its --deselect a silent no-op."""
+    assert set(READ_THE_TASK_FORM) <= set(TASK_INDEPENDENT)
     for node in TASK_INDEPENDENT:
         path, _, name = node.partition("::")
         text = (ROOT / "{{cookiecutter.__project_dir}}" / path).read_text()

@@ -113,8 +113,8 @@ def expected_files(combo: dict, package: str = "ddp_project") -> set[str]:
     modules += ["loading/data", "loading/workers"]
     modules += [f"monitoring/{name}" for name in ("logs", "metrics", "profiling", "stragglers")]
     modules += ["monitoring/throughput"]
-    modules += [f"training/{name}" for name in ("divergence", "losses", "optimizer", "replicas")]
-    modules += ["training/rng", "training/trainer", "training/updates"]
+    modules += [f"training/{name}" for name in ("divergence", "lazy", "losses", "optimizer")]
+    modules += [f"training/{name}" for name in ("replicas", "rng", "trainer", "updates")]
     files |= {f"src/{package}/{name}.py" for name in modules}
     if combo["use_slurm"]:
         files.add("launch/slurm/train.sbatch")

@@ -14,21 +14,30 @@ config.py left beside it).
   but the fault tests, the tests of tasks of their own and the multi-process tests of
   mechanisms no task changes (test_project_suite.TASK_INDEPENDENT), which the default project
   runs.
-- cnn_task.py (NumPy augmentation with the global generator, BatchNorm, tuple batches) runs the
-  resume tests: 2 gloo ranks train, crash and resume bitwise, and resume on 1 and 4 ranks.
+- cnn_task.py (NumPy augmentation with the global generator, BatchNorm, tuple batches, a class
+  that does not derive from TaskBase) runs the task suite (RECIPE_SUITE) and the throughput
+  tests, which read the members it lacks through the contract's defaults: 2 gloo ranks train,
+  crash and resume bitwise, and resume on 1 and 4 ranks, among the rest.
 - sgd_task.py (an optimizer and a schedule of its own: SGD with Nesterov momentum, group
   options of SGD's, a step-decay factor per step) runs the gradient tests (2 ranks == 1 rank ==
   accumulation, float64) and the resume tests. Ranks killed and restarted by torchrun resume
   through the same checkpoints: the GAN and the default project's fault tests restart them.
 - gan_task.py (a GAN with alternating updates: `Task.updates`, the discriminator's step then the
-  generator's, each with its own Adam and learning rate) runs the gradient tests (per update:
-  2 ranks == 1 rank == accumulation in float64, one all-reduce per update and step, the other
-  part under no_sync) and the restart tests (a rank raises, then one is killed; both optimizers
-  and the moving average end bitwise where an unbroken run ends).
+  generator's, each with its own Adam and learning rate) runs the task suite, among it the
+  gradient tests (per update: 2 ranks == 1 rank == accumulation in float64, one all-reduce per
+  update and step, the other part under no_sync), and the restart tests (a rank raises, then
+  one is killed; both optimizers and the moving average end bitwise where an unbroken run
+  ends).
 - contrastive_task.py (an encoder trained with InfoNCE whose negatives are gathered from
-  every rank with autograd, `whole_batch_loss`, evaluation by per-sample sums) runs the
-  gradient tests (2 ranks == 1 rank in float64, accumulation refused naming the micro-batch
-  size) and the resume tests.
+  every rank with autograd, `whole_batch_loss`, evaluation by per-sample sums) runs the task
+  suite, among it the gradient tests (2 ranks == 1 rank in float64, accumulation refused
+  naming the micro-batch size) and the resume tests.
+
+The task suite of a recipe (RECIPE_SUITE) is the generated tests/task but the fault tests and
+the multi-process tests of mechanisms no task changes, save those that read the task's form
+(test_project_suite.READ_THE_TASK_FORM: the names a task with updates logs, the micro-batch of
+a whole-batch loss, a loss that exchanges data between ranks), which these recipes' forms
+change.
 - hf_gpt2_task.py (a Hugging Face GPT2LMHeadModel from a tiny GPT2Config, no download) trains,
   crashes and resumes bitwise on 2 ranks, and an epoch's throughput adds up to its real tokens.
 
@@ -49,7 +58,13 @@ from pathlib import Path
 
 import pytest
 from matrix import DEFAULTS
-from test_project_suite import OTHER_TASK_SELECTION, render_from_source, run_project_suite
+from test_project_suite import (
+    OTHER_TASK_SELECTION,
+    READ_THE_TASK_FORM,
+    TASK_INDEPENDENT,
+    render_from_source,
+    run_project_suite,
+)
 
 USER_TASKS = Path(__file__).parent / "user_tasks"
 #: What the cheaper checks run of the generated suite: 2 gloo ranks train, crash, resume and end
@@ -60,6 +75,13 @@ RESUMES = ["tests/task/test_resume.py"]
 KILLED_AND_RESTARTED = (
     "test_a_rank_that_raises_then_one_that_is_killed_are_restarted_and_end_like_an_unbroken_run"
 )
+#: The generated task suite as a recipe runs it (see above).
+RECIPE_SUITE = [
+    "tests/task",
+    "-m",
+    "not faults",
+    *(f"--deselect={node}" for node in TASK_INDEPENDENT if node not in READ_THE_TASK_FORM),
+]
 #: A TaskConfig of before 1.0, as config.py held it: the text from its decorator on.
 OLD_TASK_CONFIG = re.compile(r"^@dataclass\nclass TaskConfig:\n.*", re.S | re.M)
 
@@ -110,15 +132,27 @@ def test_a_token_task_with_dict_batches_padding_and_task_state_passes_the_whole_
     assert "test_weights_are_bitwise_equal_to_an_unbroken_run" in cases
 
 
-def test_a_cnn_with_numpy_augmentation_and_batchnorm_trains_and_resumes(tmp_path: Path) -> None:
-    """Random flips drawn with NumPy's global generator: bitwise on the same 2 ranks, and at the
-    exact sample on 1 and 4. The task was written before 1.0 and updated by the CHANGELOG."""
+def test_a_cnn_of_its_own_class_with_numpy_augmentation_and_batchnorm_passes_the_task_suite(
+    tmp_path: Path,
+) -> None:
+    """A task that does not derive from TaskBase: the tests read what it lacks through the
+    contract's defaults. Random flips drawn with NumPy's global generator: bitwise on the same
+    2 ranks, and at the exact sample on 1 and 4. The task was written before 1.0 and updated
+    by the CHANGELOG."""
     task = moved_as_the_changelog_says(
         (USER_TASKS / "cnn_task.py").read_text(), (USER_TASKS / "cnn_config.py").read_text()
     )
+    assert "TaskBase" not in task.split('"""')[2]  # its code, past the docstring
     project, env, _ = project_with_task("User Cnn Task", task, tmp_path)
-    cases = run_project_suite(project, env, *RESUMES)
+    # A step the loss scaler skips still moves BatchNorm's running statistics, which the
+    # inf-gradient test checks are left as they were: not run for this model until it does not.
+    skipped_step = (
+        "tests/task/test_amp.py::test_inf_gradient_on_one_rank_skips_the_step_on_every_rank"
+    )
+    throughput = "tests/machinery/test_throughput.py"
+    cases = run_project_suite(project, env, *RECIPE_SUITE, throughput, f"--deselect={skipped_step}")
     assert "test_weights_are_bitwise_equal_to_an_unbroken_run" in cases
+    assert "test_evaluation_and_checkpoint_time_is_not_counted_as_training" in cases
 
 
 def test_a_task_with_sgd_and_a_schedule_of_its_own_trains_alike_on_any_world_size_and_resumes(
@@ -133,45 +167,35 @@ def test_a_task_with_sgd_and_a_schedule_of_its_own_trains_alike_on_any_world_siz
     assert "test_weights_are_bitwise_equal_to_an_unbroken_run" in cases
 
 
-def test_a_gan_with_alternating_updates_trains_alike_on_any_world_size_and_resumes(
+def test_a_gan_with_alternating_updates_passes_the_task_suite_and_restarts(
     tmp_path: Path,
 ) -> None:
+    """Two Adams, whose steps a learning rate far too high does not blow up: the divergence
+    test blows the weights up whatever the optimizer. The log names each update's loss."""
     task = (USER_TASKS / "gan_task.py").read_text()
     project, env, _ = project_with_task("User Gan Task", task, tmp_path)
-    cases = run_project_suite(
-        project,
-        env,
-        "tests/task/test_gradients.py",
-        f"tests/task/test_restart.py::{KILLED_AND_RESTARTED}",
-    )
+    cases = run_project_suite(project, env, *RECIPE_SUITE)
     assert "test_two_ranks_equal_one_process_with_the_whole_batch" in cases
     assert "test_same_global_batch_trains_the_same_on_one_or_two_ranks" in cases
-    assert KILLED_AND_RESTARTED in cases
-
-
-#: The gradient tests of a whole-batch loss: the 2-rank run (one micro-batch per rank) against
-#: one process, and the refusal of accumulation; not the tests of when DDP all-reduces under
-#: accumulation, which train it with the accumulation refused for it.
-WHOLE_BATCH_GRADIENTS = [
-    f"tests/task/test_gradients.py::{name}"
-    for name in (
-        "test_replicas_hold_identical_weights",
-        "test_two_ranks_equal_one_process_with_the_whole_batch",
-        "test_a_whole_batch_loss_refuses_accumulation_naming_the_micro_batch_size",
+    assert "test_weights_that_blow_up_stop_the_run_at_a_log_line" in cases
+    assert "test_ranks_alike_name_nobody" in cases
+    restarts = run_project_suite(
+        project, env, f"tests/task/test_restart.py::{KILLED_AND_RESTARTED}"
     )
-]
+    assert KILLED_AND_RESTARTED in restarts
 
 
-def test_a_contrastive_loss_with_negatives_from_every_rank_trains_alike_on_any_world_size(
+def test_a_contrastive_loss_with_negatives_from_every_rank_passes_the_task_suite(
     tmp_path: Path,
 ) -> None:
     """InfoNCE against every rank's embeddings, gathered with autograd and not scaled by the
     world size: 2 ranks make the updates of one process with the whole batch in float64, a
     split that needs accumulation is refused, a crashed run ends bitwise where an unbroken run
-    ends, and a run resumed on 1 and 4 ranks continues it."""
+    ends, and a run resumed on 1 and 4 ranks continues it. One micro-batch per rank, and a
+    loss whose gather keeps the other ranks waiting for a slow one: the tests follow."""
     task = (USER_TASKS / "contrastive_task.py").read_text()
     project, env, _ = project_with_task("User Contrastive Task", task, tmp_path)
-    cases = run_project_suite(project, env, *WHOLE_BATCH_GRADIENTS, *RESUMES)
+    cases = run_project_suite(project, env, *RECIPE_SUITE)
     refusal = cases["test_a_whole_batch_loss_refuses_accumulation_naming_the_micro_batch_size"]
     assert refusal.find("skipped") is None
     assert "test_weights_are_bitwise_equal_to_an_unbroken_run" in cases

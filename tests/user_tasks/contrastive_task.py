@@ -68,14 +68,18 @@ def views(config: TaskConfig, num_samples: int, seed: int) -> TensorDataset:
 class GatherRows(torch.autograd.Function):
     """Every rank's rows, in rank order, with autograd: the backward adds up every rank's
     gradient of the gathered rows and gives each rank those of its own rows. Written with
-    torch.distributed's collectives, which wait for their result: torch's functional
-    collectives (`all_gather_single`) corrupt memory now and then on gloo in their backward."""
+    torch.distributed's all_gather into a list and all_reduce, which every backend and torch
+    release has and which wait for their result: all_gather_into_tensor is deprecated since
+    torch 2.13 for dist.all_gather_single, which earlier releases lack, and torch's functional
+    collectives (`_functional_collectives.all_gather_single`) corrupt memory now and then on
+    gloo in their backward."""
 
     @staticmethod
     def forward(ctx: Any, rows: torch.Tensor) -> torch.Tensor:
-        everyone = rows.new_empty((dist.get_world_size() * len(rows), *rows.shape[1:]))
-        dist.all_gather_into_tensor(everyone, rows.contiguous())
-        return everyone
+        rows = rows.contiguous()
+        pieces = [torch.empty_like(rows) for _ in range(dist.get_world_size())]
+        dist.all_gather(pieces, rows)
+        return torch.cat(pieces)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:

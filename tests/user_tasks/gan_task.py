@@ -74,7 +74,7 @@ class Task(TaskBase):
     test_settings = (
         "task.num_train_samples=512",
         "task.num_eval_samples=101",
-        "task.hidden_dim=16",
+        "task.hidden_dim=8",
     )
 
     def __init__(self, config: TaskConfig, seed: int) -> None:

@@ -30,6 +30,7 @@ from {{ cookiecutter.package_name }}.cluster.distributed import (
     start_control_group,
 )
 from {{ cookiecutter.package_name }}.config import Config
+from {{ cookiecutter.package_name }}.contract import member_of
 from {{ cookiecutter.package_name }}.faults.stopping import StopRequests
 from {{ cookiecutter.package_name }}.monitoring.metrics import MetricsLogger
 from {{ cookiecutter.package_name }}.task import Task
@@ -37,10 +38,11 @@ from {{ cookiecutter.package_name }}.training.trainer import Trainer
 
 #: Task.whole_batch_loss: a micro-batch's loss reads the step's samples together (negatives
 #: gathered across ranks), so gradient accumulation is refused for it: its tests train one
-#: micro-batch per rank and step.
-WHOLE_BATCH_LOSS: bool = getattr(Task, "whole_batch_loss", False)
+#: micro-batch per rank and step. The task's members are read through the contract's defaults:
+#: a task need not derive from TaskBase.
+WHOLE_BATCH_LOSS: bool = member_of(Task, "whole_batch_loss")
 #: The parts of the task's model trained apart (Task.updates); empty: the whole model at once.
-UPDATES: tuple[str, ...] = tuple(getattr(Task, "updates", ()))
+UPDATES: tuple[str, ...] = tuple(member_of(Task, "updates"))
 #: Where the log names the training figures the tests follow (loss, lr, grad_norm): the task's,
 #: or its first update's.
 TRAIN_PREFIX = f"train/{UPDATES[0]}/" if UPDATES else "train/"
@@ -62,7 +64,7 @@ FAST = [
     "train.eval_every=4",
     "checkpoint.every_steps=4",
     "data.num_workers=0",
-    *getattr(Task, "test_settings", ()),
+    *member_of(Task, "test_settings"),
 ]
 
 #: The project's benchmark scripts (benchmarks/ is not a package).

@@ -12,6 +12,8 @@ They ignore the project's TaskConfig, so these tests hold whatever task.py the p
 - `VocabularyTask`: a model sized by a file of its data, which it gives the export.
 - `TwoPlayerTask`: a GAN's alternating updates (`updates`): the critic's step, then the
   generator's, each with an optimizer of its own.
+- `LazyTask`, `CheckpointedTwiceTask`, `CompiledTask`: the first release's task with a model
+  DDP does not take as it is: lazy modules, a block checkpointed twice, torch.compile's wrapper.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import Dataset, TensorDataset
 
 from {{ cookiecutter.package_name }}.contract import TaskBase
@@ -287,3 +290,45 @@ class TwoPlayerTask(TaskBase):
         points, noise = batch
         fooled = model.critic(model.generator(noise)) > 0
         return {"fooled": fooled.sum(), "count": torch.tensor(len(points))}
+
+
+class LazyTask(FirstReleaseTask):
+    """Lazy modules: a linear layer and a BatchNorm whose sizes come from the first batch."""
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.LazyLinear(16), nn.LazyBatchNorm1d(), nn.ReLU(), nn.Linear(16, 3))
+
+
+class TwiceThroughOneBlock(nn.Module):
+    """One block applied twice, each time under activation checkpointing."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.embed = nn.Linear(4, 16)
+        self.block = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(inputs)
+        for _ in range(2):
+            hidden = checkpoint(self.block, hidden, use_reentrant=self.reentrant).relu()
+        return self.head(hidden)
+
+
+class CheckpointedTwiceTask(FirstReleaseTask):
+    """Reentrant activation checkpointing of a block called twice (`reentrant = False`: torch's
+    other implementation)."""
+
+    reentrant = True
+
+    def build_model(self) -> nn.Module:
+        return TwiceThroughOneBlock(self.reentrant)
+
+
+class CompiledTask(FirstReleaseTask):
+    """`build_model` returns the model compiled: torch.compile's wrapper adds `_orig_mod.` to
+    its names. The eager backend wraps it alike and compiles in no time."""
+
+    def build_model(self) -> nn.Module:
+        return torch.compile(super().build_model(), backend="eager")

@@ -48,6 +48,10 @@ EvaluationSum = torch.Tensor | tuple[torch.Tensor, Any]
 REQUIRED = ("build_model", "build_datasets", "training_loss", "evaluation_sums")
 
 
+class ContractError(TypeError):
+    """The task does not meet the contract: its code must change (exit status 2)."""
+
+
 class TaskBase:
     """Optional members with their defaults; the four required methods raise until defined."""
 
@@ -308,14 +312,14 @@ class _Adopted(TaskBase):
 def adopt(task: object) -> TaskBase:
     """The task as the trainer uses it, with a default for every optional member it lacks.
 
-    Raises TypeError naming the required methods the task does not define. A task adopted
+    Raises ContractError naming the required methods the task does not define. A task adopted
     already is returned as it is.
     """
     if isinstance(task, _Adopted):
         return task
     missing = [name for name in REQUIRED if not defines(task, name)]
     if missing:
-        raise TypeError(
+        raise ContractError(
             f"{type(task).__name__} does not define {', '.join(missing)}: every task needs "
             f"{', '.join(REQUIRED)} (see contract.py)"
         )
@@ -330,16 +334,23 @@ def defines(task: object, name: str) -> bool:
     return getattr(type(task), name, default) is not default
 
 
+def member_of(task_class: type, name: str) -> Any:
+    """The class attribute `name` of a task class (`whole_batch_loss`, `updates`,
+    `test_settings`), or TaskBase's default where the class lacks it: for what is read before
+    any task is built (the launch's batch check, the generated tests' settings)."""
+    return getattr(task_class, name, getattr(TaskBase, name))
+
+
 def check_datasets(train: object, evaluation: object) -> None:
-    """Refuse, naming it, a data set the trainer cannot index: it gives each rank disjoint
-    indices, evaluates every sample once and resumes at the exact sample, all by index, so a
-    stream (an IterableDataset: Hugging Face streaming, webdataset) fails later in torch's own
-    words, inside the loader."""
+    """Refuse, naming it, a data set the trainer cannot index (ContractError): it gives each
+    rank disjoint indices, evaluates every sample once and resumes at the exact sample, all by
+    index, so a stream (an IterableDataset: Hugging Face streaming, webdataset) would fail
+    later in torch's own words, inside the loader."""
     for part, dataset in (("training", train), ("evaluation", evaluation)):
         if isinstance(dataset, IterableDataset) or not (
             hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
         ):
-            raise TypeError(
+            raise ContractError(
                 f"build_datasets returned a {part} set that cannot be indexed "
                 f"({type(dataset).__name__}: an IterableDataset, or without __len__ and "
                 "__getitem__). The trainer needs map-style data sets: it shares them over the "

@@ -56,6 +56,7 @@ from .cluster.distributed import (
     refuse_static_graph_with_accumulation,
 )
 from .config import Config, ConfigError, DistConfig, load_config, settings, to_yaml
+from .contract import ContractError, member_of
 from .faults.flight_recorder import traces_dir
 from .faults.parent_watch import launcher_watched
 from .faults.stopping import EXIT_INTERRUPTED, StopRequests
@@ -172,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         ResumeError,
         WeightsError,
         ConfigError,
+        ContractError,
+        GradientsNotReducedError,
         ReplicaMismatchError,
         CollectiveInEvaluationError,
         CollectiveInLossError,
@@ -223,7 +226,7 @@ def checked_config(
         )
         batch = describe_split(train.global_batch_size, train.micro_batch_size, env.world_size)
         refuse_static_graph_with_accumulation(config.dist, accumulation, batch)
-        if accumulation > 1 and getattr(Task, "whole_batch_loss", False):
+        if accumulation > 1 and member_of(Task, "whole_batch_loss"):
             raise ConfigError(
                 "Task.whole_batch_loss: a micro-batch's loss reads the step's samples together, "
                 f"and {batch} takes {accumulation} micro-batches per step, each its own loss. Set "

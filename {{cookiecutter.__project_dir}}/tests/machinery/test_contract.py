@@ -1,11 +1,14 @@
 """The Task contract (contract.py) holds for tasks unlike the shipped example (tests/tasks.py):
 what a task may define is used, what it lacks has a default, a task written for the first
-release still trains and resumes bitwise, a collective in evaluation is refused by name, and so
-is one in the training loss under gradient accumulation."""
+release still trains and resumes bitwise, models DDP does not take as they are (lazy modules,
+a block checkpointed twice, a compiled model) train or are refused in our words, and a
+collective in evaluation is refused by name, and so is one in the training loss under gradient
+accumulation."""
 
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import threading
 import warnings
@@ -17,6 +20,7 @@ from typing import Any
 
 import numpy
 import pytest
+import safetensors.torch
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as functional_collectives
@@ -26,25 +30,38 @@ from torch.utils.data import IterableDataset
 
 from {{ cookiecutter.package_name }} import train
 from {{ cookiecutter.package_name }}.checkpointing import weights
+from {{ cookiecutter.package_name }}.checkpointing.layout import latest_checkpoint
 from {{ cookiecutter.package_name }}.checkpointing.resume import ResumeError
 from {{ cookiecutter.package_name }}.checkpointing.weights import (
     WeightsError,
     export_weights,
+    load_initial_weights,
     load_model,
+    plain_state_dict,
 )
 from {{ cookiecutter.package_name }}.cluster.distributed import (
     CollectiveInEvaluationError,
     CollectiveInLossError,
     collectives_noted,
+    GradientsNotReducedError,
     collectives_refused,
 )
 from {{ cookiecutter.package_name }}.config import Config, ConfigError, load_config, to_yaml
-from {{ cookiecutter.package_name }}.contract import FactorLR, adopt, warmup_cosine
+from {{ cookiecutter.package_name }}.contract import ContractError, FactorLR, adopt, warmup_cosine
 from {{ cookiecutter.package_name }}.monitoring.metrics import read_metrics
 from {{ cookiecutter.package_name }}.training.trainer import Trainer
 
 from ..helpers import FAST, env_for, make_trainer, spawn, train_steps
-from ..tasks import FirstReleaseTask, SgdTokenTask, TokenTask, TwoPlayerTask, VocabularyTask
+from ..tasks import (
+    CheckpointedTwiceTask,
+    CompiledTask,
+    FirstReleaseTask,
+    LazyTask,
+    SgdTokenTask,
+    TokenTask,
+    TwoPlayerTask,
+    VocabularyTask,
+)
 
 pytestmark = [pytest.mark.own_tasks, pytest.mark.timeout(120)]
 
@@ -149,7 +166,7 @@ def test_a_task_missing_a_required_method_is_refused_by_name() -> None:
         def build_datasets(self) -> None: ...
         def evaluation_sums(self) -> None: ...
 
-    with pytest.raises(TypeError, match="NoLoss does not define training_loss"):
+    with pytest.raises(ContractError, match="NoLoss does not define training_loss"):
         adopt(NoLoss())
 
 
@@ -160,16 +177,176 @@ class _Stream(IterableDataset):
         yield from torch.zeros(4, 2)
 
 
-def test_a_streamed_data_set_is_refused_with_what_to_do_instead(tmp_path: Path) -> None:
-    class Streaming(TokenTask):
-        def build_datasets(self) -> tuple:
-            return _Stream(), super().build_datasets()[1]
+class StreamingTokenTask(TokenTask):
+    def build_datasets(self) -> tuple:
+        return _Stream(), super().build_datasets()[1]
 
+
+def test_a_streamed_data_set_is_refused_with_what_to_do_instead(tmp_path: Path) -> None:
     with pytest.raises(
-        TypeError, match=r"a training set that cannot be indexed \(_Stream"
+        ContractError, match=r"a training set that cannot be indexed \(_Stream"
     ) as error:
-        _trainer(tmp_path, Streaming)
+        _trainer(tmp_path, StreamingTokenTask)
     assert "load_dataset without streaming=True" in str(error.value)
+
+
+def _refused_launch(task_class: type, run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The log of a launch of `task_class`, which ends with exit status 2 and no traceback."""
+    monkeypatch.setattr(train, "Task", task_class)
+    assert train.main([*FAST, f"run.dir={run_dir}", "train.max_steps=4"]) == 2
+    log = (run_dir / "train.log").read_text()
+    assert "Traceback" not in log
+    return log
+
+
+def test_a_launch_with_a_streamed_data_set_exits_2_with_one_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refusal, as a bad setting is: the task's code must change."""
+    log = _refused_launch(StreamingTokenTask, tmp_path / "run", monkeypatch)
+    assert "a training set that cannot be indexed (_Stream" in log
+
+
+def test_lazy_modules_take_their_shapes_from_the_first_micro_batch_and_resume_bitwise(
+    tmp_path: Path,
+) -> None:
+    """nn.LazyLinear and nn.LazyBatchNorm1d: shaped before DDP and the optimizer see them, by
+    a pass that changes no statistics; a resume shapes them again and loads the checkpoint."""
+    straight, resumed = _straight_and_resumed(tmp_path, LazyTask)
+    _assert_bitwise(_state(straight), _state(resumed))
+    assert tuple(resumed.model[0].weight.shape) == (16, 4)
+    assert int(resumed.model[1].num_batches_tracked) == 8 * 4  # 8 steps of 4 micro-batches
+
+
+def test_a_lazy_model_loads_from_its_export_and_as_initial_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """load_model builds the model without data: the exported weights give it its shapes."""
+    trained = _trainer(tmp_path / "run", LazyTask, "train.max_steps=2")
+    assert trained.fit() == 0
+    monkeypatch.setattr(weights, "Task", LazyTask)  # what load_model builds
+    _assert_bitwise(load_model(tmp_path / "run").state_dict(), _state(trained))
+    tuned = _trainer(tmp_path / "tuned", LazyTask, f"init.weights={tmp_path / 'run'}")
+    tuned.start_fresh()
+    _assert_bitwise(_state(tuned), _state(trained))
+
+
+def test_a_model_compiled_in_build_model_saves_exports_and_loads_under_its_plain_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.compile's wrapper adds `_orig_mod.` to the names: checkpoints and the export leave
+    it out (a compiled block's too), a compiled model resumes bitwise, and weights move between
+    compiled and plain models both ways, also from a file saved with the prefix."""
+    straight, resumed = _straight_and_resumed(tmp_path, CompiledTask)
+    _assert_bitwise(_state(straight), _state(resumed))
+    run_dir = tmp_path / "resumed"
+    plain = FirstReleaseTask(None, seed=0).build_model()
+    names = list(plain.state_dict())
+    saved = torch.load(latest_checkpoint(run_dir) / "state.pt", weights_only=True)
+    assert list(saved["model"]) == names
+    assert sorted(safetensors.torch.load_file(run_dir / "export" / "model.safetensors")) == sorted(
+        names
+    )
+    monkeypatch.setattr(weights, "Task", CompiledTask)  # what load_model builds
+    _assert_bitwise(load_model(run_dir).state_dict(), _state(resumed))
+    load_initial_weights(plain, run_dir)
+    _assert_bitwise(plain.state_dict(), plain_state_dict(resumed.model))
+    torch.save(resumed.model.state_dict(), tmp_path / "compiled.pt")  # `_orig_mod.` names
+    load_initial_weights(plain, tmp_path / "compiled.pt")
+    compiled = CompiledTask(None, seed=0).build_model()
+    load_initial_weights(compiled, run_dir / "export" / "model.safetensors")
+    _assert_bitwise(compiled.state_dict(), _state(resumed))
+    block_compiled = torch.nn.Sequential(torch.compile(torch.nn.Linear(4, 2), backend="eager"))
+    exported = export_weights(block_compiled, tmp_path / "block", "")
+    assert sorted(safetensors.torch.load_file(exported)) == ["0.bias", "0.weight"]
+
+
+class BypassingTwoPlayerTask(TwoPlayerTask):
+    """Calls the modules inside the parts' DDP wrappers: no gradient is all-reduced."""
+
+    def training_loss(self, model: Any, batch: Any, update: str | None = None) -> torch.Tensor:
+        inner = SimpleNamespace(critic=model.critic.module, generator=model.generator.module)
+        return super().training_loss(inner, batch, update)
+
+
+def _ddp_with_model_forms(rank: int, world_size: int, run_dir: Path) -> dict[str, Any]:
+    """Each model form on 2 ranks, in one process group: a lazy model's state as built and its
+    parameters after 2 steps; a block checkpointed twice with dist.static_graph (one
+    micro-batch per rank) and without reentrant checkpointing, after 2 steps; and the
+    refusals, as text: a task with updates whose loss skips DDP, and reentrant checkpointing
+    with gradient accumulation (last: nothing runs after DDP's failed backward)."""
+
+    def trainer(name: str, task_class: type, *extra: str) -> Trainer:
+        config = _config(run_dir / name, *extra)
+        task = task_class(config.task, config.run.seed)
+        return make_trainer(config, env_for(rank, world_size), task)
+
+    lazy = trainer("lazy", LazyTask)
+    outcomes: dict[str, Any] = {"lazy_built": _state(lazy)}
+    train_steps(lazy, 2)
+    # Not the buffers: each rank's BatchNorm keeps its own running statistics.
+    outcomes["lazy"] = {name: param.detach() for name, param in lazy.model.named_parameters()}
+    one_micro_batch = "train.micro_batch_size=8"  # 16 over 2 ranks
+    static = trainer("static", CheckpointedTwiceTask, "dist.static_graph=true", one_micro_batch)
+    outcomes["static_graph"] = train_steps(static, 2)
+
+    class NotReentrant(CheckpointedTwiceTask):
+        reentrant = False
+
+    outcomes["not_reentrant"] = train_steps(trainer("plain", NotReentrant), 2)
+    for name, task_class in (("bypass", BypassingTwoPlayerTask), ("twice", CheckpointedTwiceTask)):
+        with pytest.raises(GradientsNotReducedError) as error:
+            train_steps(trainer(name, task_class), 1)
+        outcomes[name] = str(error.value)
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def model_forms(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    workdir = tmp_path_factory.mktemp("model-forms")
+    return spawn(2, _ddp_with_model_forms, workdir / "run", workdir=workdir, timeout=90)
+
+
+@pytest.mark.distributed
+def test_lazy_modules_are_shaped_alike_on_every_rank_before_ddp_wraps_them(
+    model_forms: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """From the same samples and the random streams as build_model left them: on any rank and
+    world size, the weights a dummy forward at the end of build_model would have drawn."""
+    alone = _state(_trainer(tmp_path, LazyTask))
+    for rank in model_forms:
+        _assert_bitwise(rank["lazy_built"], alone)
+    _assert_bitwise(model_forms[0]["lazy"], model_forms[1]["lazy"])
+
+
+@pytest.mark.distributed
+def test_a_block_checkpointed_twice_trains_with_a_static_graph_or_without_reentrance(
+    model_forms: list[dict[str, Any]],
+) -> None:
+    for rank in model_forms:
+        for name, tensor in rank["static_graph"].items():
+            torch.testing.assert_close(tensor, rank["not_reentrant"][name], rtol=0, atol=1e-6)
+    _assert_bitwise(model_forms[0]["static_graph"], model_forms[1]["static_graph"])
+
+
+@pytest.mark.distributed
+def test_reentrant_checkpointing_of_a_block_used_twice_is_refused_with_the_two_fixes(
+    model_forms: list[dict[str, Any]],
+) -> None:
+    """DDP's own words ("Expected to mark a variable ready only once", "try to use
+    _set_static_graph()") name neither setting nor the checkpoint's argument."""
+    for rank in model_forms:
+        assert re.search(r"block\.(weight|bias) got gradients twice in one", rank["twice"])
+        assert "use_reentrant=False" in rank["twice"]
+        assert "dist.static_graph=true" in rank["twice"]
+
+
+@pytest.mark.distributed
+def test_a_part_s_parameters_are_named_with_the_part(model_forms: list[dict[str, Any]]) -> None:
+    """A task with updates: `critic.0.weight`, as the model names it, not `0.weight`."""
+    for rank in model_forms:
+        assert "DDP did not all-reduce them" in rank["bypass"]
+        assert "(critic.0.weight, critic.0.bias" in rank["bypass"]
 
 
 def test_two_fresh_launches_draw_the_same_numpy_augmentation(tmp_path: Path) -> None:
@@ -609,10 +786,7 @@ def test_a_launch_whose_evaluation_all_reduces_exits_2_naming_the_collective(
 ) -> None:
     """Refused on one rank too, where no process group exists: the same code would hang or
     abort on several. Status 2, as for a setting: the task's code must change."""
-    monkeypatch.setattr(train, "Task", AllReducingTokenTask)
-    run_dir = tmp_path / "run"
-    assert train.main([*FAST, f"run.dir={run_dir}", "train.max_steps=4"]) == 2
-    log = (run_dir / "train.log").read_text()
+    log = _refused_launch(AllReducingTokenTask, tmp_path / "run", monkeypatch)
     assert "evaluation_sums called torch.distributed.all_reduce" in log
     assert "Traceback" not in log
 

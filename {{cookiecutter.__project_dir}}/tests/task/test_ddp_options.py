@@ -45,7 +45,9 @@ def _training(
     hook: object = None,
     task_class: type[Task] = Task,
 ) -> dict:
-    """The all-reduced gradients of the first step, and the weights after STEPS steps.
+    """The all-reduced gradients of the first step, and the weights after STEPS steps, all of
+    them and the parameters alone: what DDP keeps identical on every rank (a BatchNorm's
+    running statistics are each rank's own).
 
     Runs are compared on the first step's gradients, where both start from the same weights:
     after a few AdamW steps, rounding in gradients near zero grows to the size of the lr.
@@ -62,7 +64,9 @@ def _training(
             lambda *_, part=update.module: grads.append(flat_grads(part))
         )
     weights = train_steps(trainer, STEPS)
-    return {"first_grads": torch.cat(grads[: len(trainer.updates)]), "weights": weights}
+    parameters = {name: weights[name] for name, _ in trainer.model.named_parameters()}
+    first_grads = torch.cat(grads[: len(trainer.updates)])
+    return {"first_grads": first_grads, "weights": weights, "parameters": parameters}
 
 
 class UnusedLayerTask(Task):
@@ -138,8 +142,8 @@ def _assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, rtol: f
 
 @pytest.mark.parametrize("hook", ["fp16", "powersgd"])
 def test_replicas_stay_identical_with_a_communication_hook(runs: list, hook: str) -> None:
-    for name, tensor in runs[0][hook]["weights"].items():
-        assert torch.equal(tensor, runs[1][hook]["weights"][name]), name
+    for name, tensor in runs[0][hook]["parameters"].items():
+        assert torch.equal(tensor, runs[1][hook]["parameters"][name]), name
 
 
 def test_fp16_compression_sends_the_gradients_to_fp16_precision(runs: list) -> None:
@@ -158,8 +162,8 @@ def test_a_static_graph_with_one_micro_batch_per_step_keeps_the_replicas_alike(r
     """With gradient accumulation it is refused (test_config.py); without, the gradients are
     all-reduced at every step as they are without it."""
     static = [rank["static_graph"] for rank in runs]
-    for name, tensor in static[0]["weights"].items():
-        assert torch.equal(tensor, static[1]["weights"][name]), name
+    for name, tensor in static[0]["parameters"].items():
+        assert torch.equal(tensor, static[1]["parameters"][name]), name
     dynamic = runs[0]["dynamic_graph"]["first_grads"]
     _assert_close_to_scale(static[0]["first_grads"], dynamic, rtol=1e-6)
 
@@ -261,5 +265,5 @@ def test_a_compiled_model_trains_like_the_eager_one_under_ddp(tmp_path: Path) ->
     assert compiled_reductions == eager_reductions
     assert set(compiled["weights"]) == set(eager["weights"])  # the plain module's names
     _assert_close_to_scale(compiled["first_grads"], eager["first_grads"], rtol=1e-4)
-    for name, tensor in compiled["weights"].items():
-        assert torch.equal(results[1]["true"][0]["weights"][name], tensor), name
+    for name, tensor in compiled["parameters"].items():
+        assert torch.equal(results[1]["true"][0]["parameters"][name], tensor), name

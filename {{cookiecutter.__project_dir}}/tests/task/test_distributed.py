@@ -15,7 +15,15 @@ from {{ cookiecutter.package_name }}.checkpointing.layout import latest_checkpoi
 from {{ cookiecutter.package_name }}.config import load_config
 from {{ cookiecutter.package_name }}.monitoring.metrics import read_metrics
 
-from ..helpers import FAST, TRAINING_LOSS, env_for, make_trainer, run_torchrun, spawn
+from ..helpers import (
+    FAST,
+    TRAINING_LOSS,
+    env_for,
+    make_trainer,
+    micro_batch_size,
+    run_torchrun,
+    spawn,
+)
 
 DEFAULT_CONFIG = Path(__file__).parents[2] / "configs" / "default.yaml"
 
@@ -63,9 +71,10 @@ def test_a_second_launch_resumes_the_two_ranks_and_the_loss_falls(
 
 def test_failing_rank_ends_the_job_with_an_error(tmp_path: Path) -> None:
     """A bad setting found after start-up makes every rank exit non-zero instead of hanging:
-    a global batch larger than the training set, which only the built data set tells."""
-    too_large = f"train.global_batch_size={2**20}"
-    result = run_torchrun(2, [*FAST, f"run.dir={tmp_path / 'run'}", too_large], timeout=120)
+    a global batch larger than the training set, which only the built data set tells (split
+    into micro-batches as the task's rules allow: one per rank for a whole-batch loss)."""
+    too_large = [f"train.global_batch_size={2**20}", micro_batch_size(8, 2**20)]
+    result = run_torchrun(2, [*FAST, f"run.dir={tmp_path / 'run'}", *too_large], timeout=120)
     assert result.returncode != 0
     assert "smaller than one global batch" in result.stderr
 

@@ -23,7 +23,7 @@ from {{ cookiecutter.package_name }}.monitoring.metrics import MetricsLogger, re
 from {{ cookiecutter.package_name }}.task import Task
 from {{ cookiecutter.package_name }}.training.trainer import Trainer
 
-from ..helpers import FAST, run_torchrun, spawn, write_fault_entry
+from ..helpers import FAST, TRAINING_LOSS, run_torchrun, spawn, write_fault_entry
 from .test_slow_rank import rank_one_named_slowest, train_ranks
 from .test_timeouts import HANG
 
@@ -87,7 +87,7 @@ def test_one_gpu_trains_in_each_precision(tmp_path: Path, precision: str) -> Non
     overrides = [f"run.dir={run_dir}", "train.max_steps=8", f"train.mixed_precision={precision}"]
     result = run_torchrun(1, [*FAST, *overrides])
     assert result.returncode == 0, result.stderr[-3000:]
-    losses = [record["train/loss"] for record in read_metrics(run_dir) if "train/loss" in record]
+    losses = [record[TRAINING_LOSS] for record in read_metrics(run_dir) if TRAINING_LOSS in record]
     assert losses and all(math.isfinite(loss) for loss in losses)
     state = load_checkpoint(latest_checkpoint(run_dir), rank=0, world_size=1).state
     assert bool(state["scaler"]) == (precision == "fp16")

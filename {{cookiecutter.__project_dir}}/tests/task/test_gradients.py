@@ -41,12 +41,16 @@ TWO_RANK_MICRO_BATCH = GLOBAL_BATCH // 2 if WHOLE_BATCH_LOSS else 4
 
 
 def _float64_config(run_dir: Path, micro_batch: int) -> list[str]:
+    """One loader worker: each sample's random augmentation is then seeded by the sample
+    (data.py), the same whichever rank reads it in whichever micro-batch, so that runs on other
+    world sizes and splits train on the same data."""
     return [
         *FAST,
         f"run.dir={run_dir}",
         "train.mixed_precision=none",
         f"train.global_batch_size={GLOBAL_BATCH}",
         f"train.micro_batch_size={micro_batch}",
+        "data.num_workers=1",
     ]
 
 

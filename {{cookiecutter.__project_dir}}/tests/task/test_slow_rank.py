@@ -1,7 +1,7 @@
 """A rank slow at its own work is named in the log, with its host; ranks alike are not.
 
-Rank 1 sleeps in its `training_loss` of every micro-batch, far longer than a step of the task
-takes (20 times its fastest forward, at least 0.2 s), and the threshold is loose: a loaded machine
+Rank 1 sleeps in its backward of every micro-batch, far longer than a step of the task takes
+(20 times its fastest forward, at least 0.2 s), and the threshold is loose: a loaded machine
 slows a step by less than the margin between them, whatever the task.
 """
 
@@ -23,7 +23,7 @@ from {{ cookiecutter.package_name }}.monitoring.metrics import read_metrics
 from {{ cookiecutter.package_name }}.task import Task
 from {{ cookiecutter.package_name }}.training import trainer as trainer_module
 
-from ..helpers import FAST, env_for, make_trainer, spawn
+from ..helpers import FAST, TRAINING_LOSS, env_for, make_trainer, spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
@@ -34,20 +34,37 @@ THRESHOLD = 2.0
 
 
 class SlowOnRankOne(Task):
-    """The project's task; when `slow`, rank 1 sleeps after each forward, far longer than its
-    fastest forward so far (a busy machine stretches some)."""
+    """The project's task; when `slow`, rank 1 sleeps in each backward, far longer than its
+    fastest forward so far (a busy machine stretches some).
+
+    In the backward, where the first parameter gets its gradient: after what the loss may
+    exchange between ranks itself (negatives gathered from every rank), so that the other rank
+    waits for it in DDP's all-reduce. A sleep in the forward would keep it waiting in that
+    exchange instead, which the log counts as its own compute.
+    """
 
     rank = 0
     slow = False
     fastest_s = float("inf")
+    backward_sleeps = False
 
     def training_loss(self, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
         loss = super().training_loss(*args, **kwargs)
         self.fastest_s = min(self.fastest_s, time.perf_counter() - started)
-        if self.slow and self.rank == 1:
-            time.sleep(max(SLEEP_S, SLEEP_FORWARDS * self.fastest_s))
+        self.backward_sleeps = self.slow and self.rank == 1
         return loss
+
+    def slow_down(self, model: torch.nn.Module) -> None:
+        """Sleep in the backward of every micro-batch, as `training_loss` arranged."""
+        for param in model.parameters():
+            if param.requires_grad:
+                param.register_hook(self._sleep_once)
+
+    def _sleep_once(self, grad: torch.Tensor) -> None:
+        if self.backward_sleeps:
+            self.backward_sleeps = False
+            time.sleep(max(SLEEP_S, SLEEP_FORWARDS * self.fastest_s))
 
 
 class Lines(logging.Handler):
@@ -90,7 +107,9 @@ def train_ranks(
     logger = logging.getLogger(trainer_module.__name__)
     logger.addHandler(lines)
     logger.setLevel(logging.INFO)
-    make_trainer(config, env_for(rank, world_size), task, device=torch.device(device)).fit()
+    trainer = make_trainer(config, env_for(rank, world_size), task, device=torch.device(device))
+    task.slow_down(trainer.model)
+    trainer.fit()
     return lines.lines, read_metrics(run_dir)
 
 
@@ -104,7 +123,7 @@ def rank_one_named_slowest(lines: list[str], records: list[dict]) -> tuple[list[
     training records."""
     warnings = slowest_warnings(lines)
     assert warnings and all(line.startswith("WARNING rank 1 on ") for line in warnings), lines
-    train = [record for record in records if "train/loss" in record]
+    train = [record for record in records if TRAINING_LOSS in record]
     assert [record["train/slowest_rank"] for record in train] == [1, 1]
     assert all(record["train/compute_max_s"] > SLEEP_S for record in train)
     assert all(record["train/collective_wait_max_s"] > SLEEP_S / 2 for record in train)
@@ -126,6 +145,6 @@ def test_a_rank_slow_at_its_own_work_is_named_with_its_host_within_two_log_windo
 def test_ranks_alike_name_nobody(tmp_path: Path) -> None:
     lines, records = spawn(2, train_ranks, tmp_path / "run", False, 8, 4, workdir=tmp_path)[0]
     assert slowest_warnings(lines) == []
-    train = [record for record in records if "train/loss" in record]
+    train = [record for record in records if TRAINING_LOSS in record]
     assert len(train) == 2
     assert all(record["train/slowest_excess"] < THRESHOLD for record in train)

@@ -59,7 +59,12 @@ from .resume import (
 )
 from .retention import set_aside
 from .storage import Location, local_dir_of
-from .weights import export_weights, load_initial_weights
+from .weights import (
+    export_weights,
+    load_initial_weights,
+    load_plain_state_dict,
+    plain_state_dict,
+)
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +129,7 @@ class Checkpointer:
         """The replicated state at `step`: identical on every rank, written once by rank 0."""
         state = self.state
         return {
-            "model": state.model.state_dict(),
+            "model": plain_state_dict(state.model),
             **_updates_state(state.updates),
             "step": step,
             "epoch": step // state.steps_per_epoch,
@@ -136,7 +141,7 @@ class Checkpointer:
                 "sample_seeds": state.sampler.sample_seeds,
             },
             "task": state.task.state_dict(),
-            "ema": None if state.ema is None else state.ema.state_dict(),
+            "ema": None if state.ema is None else plain_state_dict(state.ema),
             "best": state.best.state_dict(),
             "skipped_steps": state.skips.skipped,
             "world_size": self.env.world_size,
@@ -318,7 +323,7 @@ class Checkpointer:
         """Load the replicated state into the objects trained; the optimizer groups follow the
         current settings where they set none of their own."""
         state = self.state
-        state.model.load_state_dict(saved["model"])
+        load_plain_state_dict(state.model, saved["model"])
         for update in state.updates:
             _restore_update(update, _saved_update(saved, update, state.updates, path), path)
             follow_settings(
@@ -341,7 +346,7 @@ class Checkpointer:
     def _resume_ema(self, saved: dict[str, Any] | None, announce: bool) -> None:
         ema = self.state.ema
         if ema is not None and saved is not None:
-            ema.load_state_dict(saved)
+            load_plain_state_dict(ema, saved)
         elif ema is not None and announce:
             log.info("ema.decay is on from now: the average starts from the resumed weights")
         elif saved is not None and announce:

@@ -20,6 +20,13 @@ which is what resuming wants and what two other uses do not:
 Tied weights (the GPT example's head shares its matrix with the token embedding) are one tensor
 under two names in `state_dict()`; safetensors stores it once, under one of them, and a name
 missing from the weights counts as present when its tensor is tied to one that is there.
+
+Weights go in and out under the model's plain names: torch.compile's wrapper (a model that
+`build_model` compiles, or a compiled block of it) adds `_orig_mod.` to the names of what it
+wraps, and checkpoints, exports and loads leave it out (`plain_state_dict`,
+`load_plain_state_dict`), so that weights move between compiled and plain models, and weights
+saved with the prefix (by earlier releases) load too. Lazy modules (nn.LazyLinear) not yet
+shaped take the shapes of the weights loaded into them.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import safetensors.torch
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parameter import is_lazy
 from torch.optim.swa_utils import AveragedModel
 
 from ..config import ConfigError, read_run_config
@@ -60,6 +68,8 @@ MODEL_SETTINGS = "model_settings.json"
 #: Suffixes read with torch.load (safe unpickler): a state dict, or a dict with a "model" key.
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 SAFETENSORS_SUFFIX = ".safetensors"
+#: What torch.compile's wrapper (OptimizedModule) puts before the names of what it wraps.
+_COMPILED = "_orig_mod."
 #: Names of each kind listed in a mismatch message; the rest are counted.
 _LISTED = 10
 _FIX = (
@@ -118,7 +128,7 @@ def export_weights(
     task took from its data to build the model, so that the folder alone rebuilds it. Each file
     is written under a temporary name, synced and renamed, so a crash leaves the previous export
     or the new one, never half a file. A DDP, EMA or compiled wrapper is looked through: the
-    names are the bare model's. Returns the weights' path.
+    names are the bare model's, plain. Returns the weights' path.
     """
     export_dir = Path(run_dir) / EXPORT_DIR
     export_dir.mkdir(parents=True, exist_ok=True)
@@ -126,8 +136,8 @@ def export_weights(
         _export_task_parts(adopt(task), export_dir)
     target = export_dir / f"{name}{SAFETENSORS_SUFFIX}"
     partial = target.with_name(target.name + ".partial")
-    # save_model stores tied tensors once and makes every tensor contiguous (on the CPU).
-    safetensors.torch.save_model(_bare(model), str(partial))
+    tensors, tied = _exported_tensors(_bare(model))
+    safetensors.torch.save_file(tensors, str(partial), metadata=tied or None)
     with open(partial, "rb+") as handle:
         os.fsync(handle.fileno())
     os.replace(partial, target)
@@ -144,7 +154,8 @@ def load_model(run_dir: str | Path, ema: bool = False) -> nn.Module:
     training data, any working directory. The task is built from the exported config.yaml (not
     validated: its checks are those of training, such as task.data_dir holding shards), takes
     the settings it recorded from its data (`load_model_settings`), and builds the model; the
-    exported weights (the moving average's with `ema=True`) are loaded into it.
+    exported weights (the moving average's with `ema=True`) are loaded into it. The model is
+    what `build_model` returns: compiled, if it compiles it.
     """
     export_dir = _export_dir(Path(run_dir))
     config_path = export_dir / EXPORT_CONFIG
@@ -274,9 +285,28 @@ def _model_state(loaded: Any, path: Path) -> Mapping[str, Any]:
     )
 
 
+def plain_state_dict(module: nn.Module) -> dict[str, Any]:
+    """`module.state_dict()` under plain names: without what torch.compile's wrappers add."""
+    return {plain_name(key): value for key, value in module.state_dict().items()}
+
+
+def load_plain_state_dict(module: nn.Module, state: Mapping[str, Any]) -> None:
+    """Load `state` into `module` (strictly), each entry under the module's own name for it:
+    plain names or compiled ones fit a compiled module or a plain one alike."""
+    own = {plain_name(key): key for key in module.state_dict()}
+    module.load_state_dict({own.get(plain_name(key), key): value for key, value in state.items()})
+
+
+def plain_name(key: str) -> str:
+    """A state dict's key without what torch.compile's wrappers add to it."""
+    return key.replace(_COMPILED, "")
+
+
 def _load_checked(model: nn.Module, state: Mapping[str, Any], source: Path) -> None:
-    """Load `state` into `model` after checking every name and shape; ties are filled in."""
-    expected = model.state_dict()
+    """Load `state` into `model` after checking every name and shape; ties are filled in. The
+    names are compared plain; a lazy module not yet shaped takes the shape of its weights."""
+    expected = plain_state_dict(model)
+    state = {plain_name(key): value for key, value in state.items()}
     state = {**state, **_tied_from(state, expected)}
     missing = [key for key in expected if key not in state]
     unexpected = [key for key in state if key not in expected]
@@ -285,6 +315,7 @@ def _load_checked(model: nn.Module, state: Mapping[str, Any], source: Path) -> N
         for key, tensor in expected.items()
         if key in state
         and isinstance(tensor, torch.Tensor)
+        and not is_lazy(tensor)
         and _shape(state[key]) != _shape(tensor)
     ]
     if missing or unexpected or shapes:
@@ -299,7 +330,7 @@ def _load_checked(model: nn.Module, state: Mapping[str, Any], source: Path) -> N
             + _FIX
         )
     try:
-        model.load_state_dict(state, strict=True)
+        load_plain_state_dict(model, state)
     except RuntimeError as error:  # names and shapes fit; e.g. a value that is no tensor
         raise WeightsError(f"cannot load the weights in {source}: {error}") from error
 
@@ -321,7 +352,7 @@ def _tied_from(state: Mapping[str, Any], expected: Mapping[str, Any]) -> dict[st
 
 def _identity(tensor: Any) -> tuple | None:
     """What two names of one tied tensor have in common; None for what cannot be tied."""
-    if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+    if not isinstance(tensor, torch.Tensor) or is_lazy(tensor) or tensor.numel() == 0:
         return None
     return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
 
@@ -352,11 +383,27 @@ def _not_weights_dir(path: Path) -> str:
 
 
 def _bare(model: nn.Module) -> nn.Module:
-    """The model inside DDP, an EMA's AveragedModel or torch.compile: its names carry no prefix."""
-    while True:
-        if isinstance(model, (DistributedDataParallel, AveragedModel)):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
+    """The model inside DDP or an EMA's AveragedModel, whose names carry no `module.`."""
+    while isinstance(model, (DistributedDataParallel, AveragedModel)):
+        model = model.module
+    return model
+
+
+def _exported_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The model's tensors under plain names, contiguous and on the CPU, a tied tensor once:
+    under the first of its names in sorted order, as safetensors' save_model keeps it; and each
+    name left out, with the name it is stored under (safetensors' metadata for ties)."""
+    state = plain_state_dict(model)
+    stored_as: dict[tuple, str] = {}
+    for key in sorted(state):
+        identity = _identity(state[key])
+        if identity is not None:
+            stored_as.setdefault(identity, key)
+    tensors, tied = {}, {}
+    for key, tensor in state.items():
+        identity = _identity(tensor)
+        if identity is None or stored_as[identity] == key:
+            tensors[key] = tensor.detach().cpu().contiguous()
         else:
-            return model
+            tied[key] = stored_as[identity]
+    return tensors, tied

@@ -12,6 +12,7 @@ import functools
 import gc
 import inspect
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -401,14 +402,37 @@ _UNUSED_PARAMETERS_FIX = (
 )
 
 
-def explain_unused_parameters(error: RuntimeError) -> None:
-    """Raise DDP's error for a parameter that got no gradient in a step with the setting that
-    allows it in front (DDP's own words do not name it); return on any other error."""
-    if "find_unused_parameters" in str(error):
-        raise RuntimeError(
-            "some parameters got no gradient in a step, so DDP never finished reducing "
-            f"gradients. {_UNUSED_PARAMETERS_FIX} DDP's own message follows."
-        ) from error
+#: What DDP's own errors in a backward mean for a task: a phrase of each, and what to change.
+_DDP_ERRORS = (
+    (
+        re.compile(r"find_unused_parameters"),
+        "some parameters got no gradient in a step, so DDP never finished reducing gradients. "
+        f"{_UNUSED_PARAMETERS_FIX}",
+    ),
+    (
+        re.compile(r"mark a variable ready only once(?:.*with name (\S+) has been)?", re.S),
+        "DDP all-reduces each parameter's gradient once per backward, and {parameter} got "
+        "gradients twice in one: reentrant activation checkpointing "
+        "(torch.utils.checkpoint.checkpoint(..., use_reentrant=True)) around a block the "
+        "forward calls more than once runs a backward of its own each time, or a parameter "
+        "was used outside the model's forward. Pass use_reentrant=False to checkpoint "
+        "(torch's advice; DDP takes it, with gradient accumulation too), or set "
+        "dist.static_graph=true, which takes reentrant backwards but no gradient "
+        "accumulation (train.micro_batch_size at least train.global_batch_size / ranks).",
+    ),
+)
+
+
+def explain_ddp_error(error: RuntimeError) -> None:
+    """Raise GradientsNotReducedError (exit status 2) in our words for DDP's own error about
+    the backward of a task's model: a parameter without gradient, or one that got gradients
+    twice (reentrant activation checkpointing of a block used twice); return on any other
+    error. DDP's own message is chained to it."""
+    for pattern, explanation in _DDP_ERRORS:
+        found = pattern.search(str(error))
+        if found:
+            parameter = found.group(1) if found.groups() and found.group(1) else "a parameter"
+            raise GradientsNotReducedError(explanation.format(parameter=parameter)) from error
 
 
 def refuse_static_graph_with_accumulation(
@@ -462,7 +486,11 @@ def wrap_ddp(
 
 
 def check_gradients_reduced(
-    model: torch.nn.Module, step: int, device: torch.device, ignored: Collection[str] = ()
+    model: torch.nn.Module,
+    step: int,
+    device: torch.device,
+    ignored: Collection[str] = (),
+    prefix: str = "",
 ) -> None:
     """Raise on every rank if the gradients DDP should have all-reduced differ between ranks.
 
@@ -471,12 +499,13 @@ def check_gradients_reduced(
     `getattr(model, "module", model)`, a common way to reach a GAN's two halves) skips it, and
     each rank steps on its own gradients to the end of the run. After the all-reduce every
     rank holds the same bits, so one float64 checksum per parameter, all-gathered once,
-    shows it. `ignored`: parameters DDP was told to leave alone.
+    shows it. `ignored`: parameters DDP was told to leave alone. `prefix` goes before the
+    names in a message: where `model` is a part of the task's model ("generator.").
     """
     if not is_distributed():
         return
     trainable = [
-        (name, param)
+        (prefix + name, param)
         for name, param in model.named_parameters()
         if param.requires_grad and name not in ignored
     ]

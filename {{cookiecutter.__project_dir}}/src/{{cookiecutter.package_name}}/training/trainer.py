@@ -39,7 +39,7 @@ from ..cluster.distributed import (
     check_gradients_reduced,
     collectives_refused,
     exchanges_checked,
-    explain_unused_parameters,
+    explain_ddp_error,
     gather_objects,
     gather_rows,
     step_group,
@@ -56,6 +56,7 @@ from ..monitoring.stragglers import Stragglers, describe_ranks
 from ..monitoring.throughput import StepMeter, describe, peak_flops, window_figures
 from . import rng
 from .divergence import DivergenceGuard, SkipPolicy
+from .lazy import lazy_names, materialise
 from .losses import StepLoss, WindowSums, window_means
 from .optimizer import as_built, build_optimizer, build_scheduler, clear_gradients, own_options
 from .replicas import ReplicaCheck
@@ -152,17 +153,17 @@ class Trainer:
                 pin_memory=device.type == "cuda", timeout_s=config.dist.barrier_timeout_s
             )
 
-        parts = self._build_model()
+        built_streams = self._build_model()
         self._build_data()
+        parts = self._wrap_model(built_streams)
         self._build_optimization(parts)
         self._build_accounting()
         self.checkpointer = self._build_checkpointer()
 
-    def _build_model(self) -> list[tuple[Any, ...]]:
-        """The task's model on the device, the same on every rank; each part an optimizer trains
-        (the whole model, or those of `Task.updates`) wrapped in DDP (and torch.compile); then
-        each rank's own random streams. Returns (name, part, DDP wrapper, what the loss calls,
-        the task's parameter groups as it made them) per update."""
+    def _build_model(self) -> dict[str, Any] | None:
+        """The task's model on the device, the same on every rank; then each rank's own random
+        streams. Returns the streams as `build_model` left them where the model has lazy
+        modules (lazy.py), which take them up when they get their shapes."""
         config, device = self.config, self.device
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = config.train.tf32
@@ -171,8 +172,23 @@ class Trainer:
         rng.seed_all(config.run.seed)
         self.model = self.task.build_model().to(device)
         self._announce_batch_norm()
+        built_streams = rng.capture(device) if lazy_names(self.model) else None
+        # From here on each rank draws its own random numbers (dropout, augmentation).
+        rng.seed_rank(config.run.seed, self.env.rank, self.step)
+        return built_streams
+
+    def _wrap_model(self, built_streams: dict[str, Any] | None) -> list[tuple[Any, ...]]:
+        """Each part an optimizer trains (the whole model, or those of `Task.updates`) wrapped
+        in DDP (and torch.compile), once lazy modules have their shapes. Returns (name, part,
+        DDP wrapper, what the loss calls, the task's parameter groups as it made them) per
+        update."""
+        config, device = self.config, self.device
+        named_parts = model_parts(self.task, self.model)
+        if built_streams is not None:
+            by_name = dict(named_parts)
+            materialise(self.model, lambda: self._first_losses(by_name), built_streams, device)
         parts = []
-        for name, module in model_parts(self.task, self.model):
+        for name, module in named_parts:
             groups = self.task.param_groups(module, **({} if name is None else {"update": name}))
             ddp = None
             if self.env.world_size > 1:
@@ -182,9 +198,20 @@ class Trainer:
             if config.train.compile:
                 call = torch.compile(call)
             parts.append((name, module, ddp, call, groups))
-        # From here on each rank draws its own random numbers (dropout, augmentation).
-        rng.seed_rank(config.run.seed, self.env.rank, self.step)
         return parts
+
+    def _first_losses(self, parts: dict[str | None, torch.nn.Module]) -> None:
+        """The task's loss of each update on the training set's first micro-batch, the same
+        on every rank, with the bare model: what gives lazy modules their shapes."""
+        train_set = self.train_loader.dataset
+        samples = [train_set[index] for index in range(self.micro_batch_size)]
+        batch = move_to_device(self.task.collate(samples), self.device)
+        if None in parts:
+            self.task.training_loss(self.model, batch)
+            return
+        model = ModelParts(self.model, parts)
+        for name in parts:
+            self.task.training_loss(model, batch, update=name)
 
     def _build_data(self) -> None:
         """The task's data sets, checked and agreed on by every rank, and their loaders; the
@@ -505,7 +532,7 @@ class Trainer:
                     with self.ranges.backward, self.stragglers.timed_backward(loss, reduces):
                         update.scaler.scale(loss).backward()
         except RuntimeError as error:
-            explain_unused_parameters(error)
+            explain_ddp_error(error)
             raise
         with self.ranges.optimizer:
             update.scaler.unscale_(update.optimizer)  # the true gradients (fp16 scales the loss)
@@ -555,7 +582,8 @@ class Trainer:
         skips DDP's forward would train every rank alone."""
         if update.ddp is not None:
             ignored = getattr(update.ddp, "parameters_to_ignore", ())
-            check_gradients_reduced(update.module, self.step + 1, self.device, ignored)
+            part = "" if update.name is None else f"{update.name}."  # the model's names
+            check_gradients_reduced(update.module, self.step + 1, self.device, ignored, part)
 
     def _clip_gradients(self, parameters: list[torch.nn.Parameter]) -> torch.Tensor | None:
         """Clip the gradients of `parameters` to optim.grad_clip (the norm before clipping); else
