@@ -174,7 +174,6 @@ def main(argv: list[str] | None = None) -> int:
         WeightsError,
         ConfigError,
         ContractError,
-        GradientsNotReducedError,
         ReplicaMismatchError,
         CollectiveInEvaluationError,
         CollectiveInLossError,

@@ -42,8 +42,8 @@ from {{ cookiecutter.package_name }}.checkpointing.weights import (
 from {{ cookiecutter.package_name }}.cluster.distributed import (
     CollectiveInEvaluationError,
     CollectiveInLossError,
-    collectives_noted,
     GradientsNotReducedError,
+    collectives_noted,
     collectives_refused,
 )
 from {{ cookiecutter.package_name }}.config import Config, ConfigError, load_config, to_yaml
