@@ -144,13 +144,8 @@ def test_a_cnn_of_its_own_class_with_numpy_augmentation_and_batchnorm_passes_the
     )
     assert "TaskBase" not in task.split('"""')[2]  # its code, past the docstring
     project, env, _ = project_with_task("User Cnn Task", task, tmp_path)
-    # A step the loss scaler skips still moves BatchNorm's running statistics, which the
-    # inf-gradient test checks are left as they were: not run for this model until it does not.
-    skipped_step = (
-        "tests/task/test_amp.py::test_inf_gradient_on_one_rank_skips_the_step_on_every_rank"
-    )
     throughput = "tests/machinery/test_throughput.py"
-    cases = run_project_suite(project, env, *RECIPE_SUITE, throughput, f"--deselect={skipped_step}")
+    cases = run_project_suite(project, env, *RECIPE_SUITE, throughput)
     assert "test_weights_are_bitwise_equal_to_an_unbroken_run" in cases
     assert "test_evaluation_and_checkpoint_time_is_not_counted_as_training" in cases
 

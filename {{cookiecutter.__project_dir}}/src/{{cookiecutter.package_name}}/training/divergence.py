@@ -213,7 +213,8 @@ class SkipPolicy:
 
     The forward changes buffers before the step is judged (BatchNorm's running statistics and
     its count of batches; a NaN sample makes them NaN for the rest of the run): every buffer
-    is copied before the forwards, and put back if the step is skipped.
+    is copied before the forwards, and put back if the step is skipped, by this policy or by
+    fp16's loss scaler (an overflowing gradient on any rank: every rank skips alike).
     """
 
     def __init__(self, enabled: bool, limit: int, is_main: bool) -> None:
@@ -225,17 +226,30 @@ class SkipPolicy:
         #: The model's buffers before this update's forwards: (module, name, the tensor, a
         #: copy of its values).
         self._kept: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
+        #: fp16: the loss scaler's scale before this update's step, where buffers are kept.
+        self._scale: float | None = None
 
-    def keep_buffers(self, model: nn.Module) -> None:
-        """Before an update's forwards, when skipping: copy every buffer of `model` (one copy
-        each, per update and step), to put back if the step is skipped."""
-        if self.enabled:  # `_buffers`: the public named_buffers costs twice as much, per step
-            self._kept = [
-                (module, name, buffer, buffer.clone())
-                for module in model.modules()
-                for name, buffer in module._buffers.items()
-                if buffer is not None
-            ]
+    def keep_buffers(self, model: nn.Module, scaler: torch.amp.GradScaler) -> None:
+        """Before an update's forwards, when a step may be skipped (this policy, or fp16's loss
+        `scaler`): copy every buffer of `model` (one copy each, per update and step), to put
+        back if the step is skipped."""
+        if not (self.enabled or scaler.is_enabled()):
+            return
+        self._kept = [  # `_buffers`: the public named_buffers costs twice as much, per step
+            (module, name, buffer, buffer.clone())
+            for module in model.modules()
+            for name, buffer in module._buffers.items()
+            if buffer is not None
+        ]
+        # The scale is read only for a model with buffers: a wait for the device (fp16's step
+        # waits for it anyway, to see whether a gradient overflowed).
+        self._scale = scaler.get_scale() if self._kept and scaler.is_enabled() else None
+
+    def after_scaler_step(self, scaler: torch.amp.GradScaler) -> None:
+        """After fp16's `scaler` stepped and updated: it lowers its scale when it skipped the
+        step, whose buffers are then put back too."""
+        if self._scale is not None and scaler.get_scale() < self._scale:
+            self._put_back_buffers()
 
     def skips(self, step: int, grad_norm: torch.Tensor | None, update: str | None = None) -> bool:
         """Whether `step` (of `update`, in a task with `Task.updates`: each is skipped on its

@@ -521,7 +521,7 @@ class Trainer:
         """
         losses = update.loss
         losses.start()
-        self.skips.keep_buffers(self.model)  # a skipped step puts them back
+        self.skips.keep_buffers(self.model, update.scaler)  # a skipped step puts them back
         try:
             for micro_step, batch in enumerate(micro_batches):
                 last = micro_step == self.accumulation_steps - 1
@@ -544,6 +544,7 @@ class Trainer:
             if not skip:
                 update.scaler.step(update.optimizer)  # with fp16, skipped on every rank on inf/nan
                 update.scaler.update()
+                self.skips.after_scaler_step(update.scaler)
                 losses.add_to(self.window)
             clear_gradients(update.optimizer)
             if len(self.updates) > 1:
