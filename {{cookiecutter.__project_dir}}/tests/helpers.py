@@ -41,6 +41,10 @@ from {{ cookiecutter.package_name }}.training.trainer import Trainer
 #: micro-batch per rank and step. The task's members are read through the contract's defaults:
 #: a task need not derive from TaskBase.
 WHOLE_BATCH_LOSS: bool = member_of(Task, "whole_batch_loss")
+#: A test of gradient accumulation itself, which such a task refuses.
+accumulates = pytest.mark.skipif(
+    WHOLE_BATCH_LOSS, reason="Task.whole_batch_loss: accumulation is refused for this task"
+)
 #: The parts of the task's model trained apart (Task.updates); empty: the whole model at once.
 UPDATES: tuple[str, ...] = tuple(member_of(Task, "updates"))
 #: Where the log names the training figures the tests follow (loss, lr, grad_norm): the task's,

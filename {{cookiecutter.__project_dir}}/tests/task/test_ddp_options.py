@@ -21,6 +21,7 @@ from ..helpers import (
     FAST,
     UPDATES,
     Float64Task,
+    accumulates,
     env_for,
     first_part,
     flat_grads,
@@ -256,6 +257,7 @@ def _compiled_and_eager(rank: int, world_size: int, run_dir: Path) -> dict:
     return results
 
 
+@accumulates
 @pytest.mark.timeout(600)
 def test_a_compiled_model_trains_like_the_eager_one_under_ddp(tmp_path: Path) -> None:
     """The same gradients, and no_sync still holds: as few all-reduces as in eager mode."""

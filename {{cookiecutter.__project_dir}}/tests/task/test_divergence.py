@@ -345,7 +345,9 @@ class _OverflowingBufferTask(_BatchNormTask):
 def test_a_non_finite_buffer_is_named_with_its_module_and_the_data_not_the_learning_rate(
     tmp_path: Path,
 ) -> None:
-    config = load_config(None, [*FAST, f"run.dir={tmp_path}", "train.max_steps=8"])
+    # 4 micro-batches a step, whatever the project's task trains with: the overflow is in step 3.
+    batches = ["train.global_batch_size=32", "train.micro_batch_size=8"]
+    config = load_config(None, [*FAST, f"run.dir={tmp_path}", "train.max_steps=8", *batches])
     trainer = make_trainer(config, task=_OverflowingBufferTask(config.task, seed=1))
     with pytest.raises(DivergenceError) as error:
         trainer.fit()

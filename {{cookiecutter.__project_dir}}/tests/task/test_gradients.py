@@ -24,6 +24,7 @@ from ..helpers import (
     FAST,
     WHOLE_BATCH_LOSS,
     Float64Task,
+    accumulates,
     env_for,
     flat_grads,
     make_trainer,
@@ -96,9 +97,7 @@ def test_two_ranks_equal_one_process_with_the_whole_batch(
     _assert_close(two_rank_weights[0], single)
 
 
-@pytest.mark.skipif(
-    WHOLE_BATCH_LOSS, reason="Task.whole_batch_loss: accumulation is refused for this task"
-)
+@accumulates
 def test_same_global_batch_trains_the_same_on_one_or_two_ranks(
     two_rank_weights: list[dict], tmp_path: Path
 ) -> None:
@@ -123,8 +122,14 @@ def test_a_whole_batch_loss_refuses_accumulation_naming_the_micro_batch_size(
     assert f"Set train.micro_batch_size={GLOBAL_BATCH} (" in error
 
 
+#: Micro-batches per rank and step (K) that the communication tests train with: 1 only for a
+#: task whose loss reads the whole batch, which refuses accumulation.
+ACCUMULATIONS = (1,) if WHOLE_BATCH_LOSS else (1, 2, 4)
+K_ALL = [1, *(pytest.param(k, marks=accumulates) for k in (2, 4))]
+
+
 def _record_communication(rank: int, world_size: int, run_dir: Path) -> dict[int, dict]:
-    return {k: _record_one(rank, world_size, run_dir / str(k), k) for k in (1, 2, 4)}
+    return {k: _record_one(rank, world_size, run_dir / str(k), k) for k in ACCUMULATIONS}
 
 
 def _record_one(rank: int, world_size: int, run_dir: Path, k: int) -> dict:
@@ -175,7 +180,7 @@ def communication(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return spawn(2, _record_communication, workdir / "run", workdir=workdir)
 
 
-@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("k", K_ALL)
 def test_one_allreduce_round_per_optimizer_step(communication: list[dict], k: int) -> None:
     """Gradients are reduced only during the last micro-step of each optimizer step."""
     for rank_records in communication:
@@ -184,6 +189,7 @@ def test_one_allreduce_round_per_optimizer_step(communication: list[dict], k: in
         assert rank_records[k]["rounds"] == expected
 
 
+@accumulates
 @pytest.mark.parametrize("k", [2, 4])
 def test_gradients_stay_local_until_the_last_micro_step(communication: list[dict], k: int) -> None:
     """Before the last micro-step each rank holds only its own gradients: they differ."""
@@ -193,7 +199,7 @@ def test_gradients_stay_local_until_the_last_micro_step(communication: list[dict
         assert not torch.equal(left, right)
 
 
-@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("k", K_ALL)
 def test_gradients_are_identical_at_the_optimizer_step(communication: list[dict], k: int) -> None:
     """After the last micro-step the all-reduced gradients are bitwise equal on every rank."""
     for name, left_steps in communication[0][k]["at_step"].items():

@@ -10,7 +10,15 @@ from torch.utils.data import Dataset
 from {{ cookiecutter.package_name }}.config import load_config
 from {{ cookiecutter.package_name }}.task import Task
 
-from ..helpers import FAST, env_for, float64, make_trainer, spawn, with_samples
+from ..helpers import (
+    FAST,
+    env_for,
+    float64,
+    make_trainer,
+    micro_batch_size,
+    spawn,
+    with_samples,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -52,7 +60,7 @@ def _indices_per_epoch(rank: int, world_size: int, run_dir: Path) -> list[list[i
             *FAST,
             f"run.dir={run_dir}",
             "train.global_batch_size=16",
-            "train.micro_batch_size=4",
+            micro_batch_size(4, 16),
             "train.epochs=2",
             "data.num_workers=0",
         ],
