@@ -276,9 +276,10 @@ SHORT_RUN = [
     "train.max_steps=20",
     "train.log_every=5",
     "checkpoint.every_steps=10",
-    # Loader worker processes, as on any real node: they get every signal a launcher or a
-    # terminal sends the job's processes.
-    "data.num_workers=2",
+    # A loader worker process per rank, as on any real node: it gets every signal a launcher or
+    # a terminal sends the job's processes. One is enough for that (the generated fault tests
+    # and the two-host tests run 2), and spares the CPU these long runs share.
+    "data.num_workers=1",
 ]
 
 

@@ -425,7 +425,7 @@ def test_a_cut_link_ends_every_node_within_the_timeout_naming_the_host_lost(
 
     def cut(processes: dict[str, subprocess.Popen]) -> None:
         log = tmp_path / "alpha.log"
-        wait_until(lambda: "step 500/" in log.read_text(), 120, "500 steps")
+        wait_until(lambda: "step 100/" in log.read_text(), 120, "100 steps")
         beta.link(up=False)
 
     try:
@@ -433,7 +433,12 @@ def test_a_cut_link_ends_every_node_within_the_timeout_naming_the_host_lost(
             cluster,
             project,
             tmp_path,
-            [f"run.dir={tmp_path / 'run'}", *LONG_RUN, "checkpoint.every_steps=100000"],
+            [
+                f"run.dir={tmp_path / 'run'}",
+                *LONG_RUN,
+                "train.log_every=100",
+                "checkpoint.every_steps=100000",
+            ],
             during=cut,
             bound_s=TIMEOUT_S + 60,
         )

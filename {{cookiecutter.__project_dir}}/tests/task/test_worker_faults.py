@@ -86,10 +86,15 @@ def _overrides(run_dir: Path, *extra: str) -> list[str]:
 @pytest.mark.parametrize(
     ("sender", "moment", "settings"),
     [
-        *((sender, "train_step", ()) for sender in SENDERS),
         ("sigterm-to-torchrun", "evaluate", ("checkpoint.async=true",)),
+        ("sigterm-to-every-process", "train_step", ()),
+        ("ctrl-c-twice", "train_step", ()),
     ],
-    ids=[*SENDERS, "sigterm-to-torchrun-in-an-evaluation-with-background-saves"],
+    ids=[
+        "sigterm-to-torchrun-in-an-evaluation-with-background-saves",
+        "sigterm-to-every-process-in-a-step",
+        "ctrl-c-twice-in-a-step",
+    ],
 )
 def test_a_stop_signal_sent_as_launchers_send_it_stops_every_rank_with_a_checkpoint(
     tmp_path: Path, sender: str, moment: str, settings: tuple[str, ...]
