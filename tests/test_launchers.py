@@ -278,7 +278,7 @@ SHORT_RUN = [
     "checkpoint.every_steps=10",
     # A loader worker process per rank, as on any real node: it gets every signal a launcher or
     # a terminal sends the job's processes. One is enough for that (the generated fault tests
-    # and the two-host tests run 2), and spares the CPU these long runs share.
+    # and the two-host tests run 2), and spares the CPU these runs share.
     "data.num_workers=1",
 ]
 
@@ -293,7 +293,11 @@ LONG_RUN = [
     f"train.max_steps={LONG_STEPS}",
     "train.log_every=500",
     "checkpoint.every_steps=100",
+    # What a signal does to loader workers is the torchrun and scancel tests' (WORKER): these
+    # long runs across a requeue load in the training process, sparing the CPU they share.
+    "data.num_workers=0",
 ]
+WORKER = "data.num_workers=1"
 #: A run that no test lets finish: the torchrun tests stop it by a signal, however long the
 #: launches they make meanwhile take on a loaded machine.
 UNENDING_STEPS = 1_000_000
@@ -664,7 +668,7 @@ def test_scancel_stops_with_a_checkpoint_and_never_requeues(
     training stops with a checkpoint at its step, and the job stays CANCELLED (scontrol requeue
     would revive even a cancelled job, so the script must not call it)."""
     run_dir = tmp_path / "run"
-    job_id = sbatch(slurm, project, flags, [f"run.dir={run_dir}", *LONG_RUN])
+    job_id = sbatch(slurm, project, flags, [f"run.dir={run_dir}", *LONG_RUN, WORKER])
     wait_for_first_checkpoint(run_dir)
     slurm.run("scancel", job_id)
     # Done once it is neither running nor completing: a requeued job would be PENDING.

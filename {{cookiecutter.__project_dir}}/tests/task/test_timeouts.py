@@ -46,7 +46,7 @@ Trainer.train_step = hanging_train_step
 """
 
 
-def _overrides(run_dir: Path, workers: int = 2) -> list[str]:
+def _overrides(run_dir: Path) -> list[str]:
     # Stop checks every 0.2 s: the hung rank's stop deadline counts two of them. Loader workers
     # as on a real node (they inherit what the rank has open when they start).
     return [
@@ -55,20 +55,19 @@ def _overrides(run_dir: Path, workers: int = 2) -> list[str]:
         "train.max_steps=6",
         f"dist.timeout_s={TIMEOUT_S}",
         "checkpoint.stop_check_s=0.2",
-        f"data.num_workers={workers}",
+        "data.num_workers=2",
     ]
 
 
-@pytest.mark.parametrize("workers", [0, 2], ids=["no-workers", "2-workers"])
 def test_a_hung_rank_is_named_leaves_its_stacks_and_ends_without_being_killed(
-    tmp_path: Path, workers: int
+    tmp_path: Path,
 ) -> None:
     """The waiting rank fails after dist.timeout_s and names rank 1 as missing; torchrun's
     SIGTERM then reaches the hung rank, which writes its stacks and exits within its stop
-    deadline, before torchrun would kill it."""
+    deadline, before torchrun would kill it. Its loader workers, forked with what it had open,
+    hold none of it up."""
     run_dir = tmp_path / "run"
-    overrides = _overrides(run_dir, workers)
-    result = run_torchrun(2, overrides, entry=write_fault_entry(tmp_path, HANG))
+    result = run_torchrun(2, _overrides(run_dir), entry=write_fault_entry(tmp_path, HANG))
     assert result.returncode != 0
     assert "rank 1 hangs in step 6" in result.stderr
     assert f"rank 1 on {socket.gethostname()} did not answer" in result.stderr
