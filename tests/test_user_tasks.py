@@ -8,38 +8,42 @@ TaskConfig lived in config.py (user_tasks/*_config.py): the test moves it into t
 steps of the CHANGELOG (since 1.0 the config is the package config/, and Python would ignore a
 config.py left beside it).
 
+The task suite of a recipe (RECIPE_SUITE) is the generated tests/task but the fault tests and
+the multi-process tests of mechanisms no task changes (test_project_suite.TASK_INDEPENDENT),
+which the default project runs, save those that read the task's form
+(test_project_suite.READ_THE_TASK_FORM: the names a task with updates logs, the micro-batch of
+a whole-batch loss, a loss that exchanges data between ranks, the split of a step's batch). A
+recipe of the default task's form (one update, a loss of each micro-batch alone that exchanges
+nothing) runs, of the task suite, the tests of what a model and its optimizer change
+(MODEL_TESTS): gradients equal to one process's, checkpoints that resume bitwise, an export
+that loads. Their data path is the default task's or the token task's, which run the whole
+task suite. Both recipes pass the whole of it too (about a minute each on 2 loaded cores, a
+transformers import per process for the GPT-2): the template's suite runs what they change.
+
 - token_task.py (dict batches padded by a collate, a (sum, count) loss over real tokens,
   throughput in real tokens, named parameter groups, tied weights, metrics with their own
-  counts, task state in checkpoints) runs the generated suite as the other example does: all
-  but the fault tests, the tests of tasks of their own and the multi-process tests of
-  mechanisms no task changes (test_project_suite.TASK_INDEPENDENT), which the default project
-  runs.
+  counts, task state in checkpoints) runs the task suite and the machinery tests that read
+  the task: its settings (TaskConfig) and its throughput units.
 - cnn_task.py (NumPy augmentation with the global generator, BatchNorm, tuple batches, a class
-  that does not derive from TaskBase) runs the task suite (RECIPE_SUITE) and the throughput
-  tests, which read the members it lacks through the contract's defaults: 2 gloo ranks train,
-  crash and resume bitwise, and resume on 1 and 4 ranks, among the rest.
+  that does not derive from TaskBase) runs the task suite and the throughput tests, which
+  read the members it lacks through the contract's defaults: 2 gloo ranks train, crash and
+  resume bitwise, and resume on 1 and 4 ranks, among the rest.
 - sgd_task.py (an optimizer and a schedule of its own: SGD with Nesterov momentum, group
-  options of SGD's, a step-decay factor per step) runs the gradient tests (2 ranks == 1 rank ==
-  accumulation, float64) and the resume tests. Ranks killed and restarted by torchrun resume
-  through the same checkpoints: the GAN and the default project's fault tests restart them.
+  options of SGD's, a step-decay factor per step) runs the model tests: 2 ranks, accumulation
+  and 1 rank make the same updates in float64, a crash resumes bitwise with the momentum
+  buffers and the schedule's step, a run resumes on 1 and 4 ranks, the export loads.
+- hf_gpt2_task.py (a Hugging Face GPT2LMHeadModel from a tiny GPT2Config, no download) runs
+  the model tests, then a single-process epoch whose throughput adds up to its real tokens.
 - gan_task.py (a GAN with alternating updates: `Task.updates`, the discriminator's step then the
   generator's, each with its own Adam and learning rate) runs the task suite, among it the
   gradient tests (per update: 2 ranks == 1 rank == accumulation in float64, one all-reduce per
-  update and step, the other part under no_sync), and the restart tests (a rank raises, then
-  one is killed; both optimizers and the moving average end bitwise where an unbroken run
-  ends).
+  update and step, the other part under no_sync) and a crash that resumes both updates and
+  the moving average bitwise. Ranks killed and restarted by torchrun resume through the same
+  checkpoints: the default project's fault tests restart them.
 - contrastive_task.py (an encoder trained with InfoNCE whose negatives are gathered from
   every rank with autograd, `whole_batch_loss`, evaluation by per-sample sums) runs the task
   suite, among it the gradient tests (2 ranks == 1 rank in float64, accumulation refused
   naming the micro-batch size) and the resume tests.
-
-The task suite of a recipe (RECIPE_SUITE) is the generated tests/task but the fault tests and
-the multi-process tests of mechanisms no task changes, save those that read the task's form
-(test_project_suite.READ_THE_TASK_FORM: the names a task with updates logs, the micro-batch of
-a whole-batch loss, a loss that exchanges data between ranks), which these recipes' forms
-change.
-- hf_gpt2_task.py (a Hugging Face GPT2LMHeadModel from a tiny GPT2Config, no download) trains,
-  crashes and resumes bitwise on 2 ranks, and an epoch's throughput adds up to its real tokens.
 
 A task of the first release's interface is held by the generated tests themselves
 (tests/machinery/test_contract.py). torchvision's ResNet-18 recipe is not run: torchvision's
@@ -66,15 +70,18 @@ from test_project_suite import (
 )
 
 USER_TASKS = Path(__file__).parent / "user_tasks"
-#: What the cheaper checks run of the generated suite: 2 gloo ranks train, crash, resume and end
-#: bitwise where an unbroken run ends, and resume on 1 and 4 ranks at the exact sample.
-RESUMES = ["tests/task/test_resume.py"]
 #: The generated task suite as a recipe runs it (see above).
 RECIPE_SUITE = [
     "tests/task",
     "-m",
     "not faults",
     *(f"--deselect={node}" for node in TASK_INDEPENDENT if node not in READ_THE_TASK_FORM),
+]
+#: What a recipe of the default task's form runs of the task suite (see above).
+MODEL_TESTS = [
+    "tests/task/test_gradients.py",
+    "tests/task/test_resume.py",
+    "tests/task/test_weights.py",
 ]
 #: A TaskConfig of before 1.0, as config.py held it: the text from its decorator on.
 OLD_TASK_CONFIG = re.compile(r"^@dataclass\nclass TaskConfig:\n.*", re.S | re.M)
@@ -148,15 +155,16 @@ def test_a_cnn_of_its_own_class_with_numpy_augmentation_and_batchnorm_passes_the
     assert "test_evaluation_and_checkpoint_time_is_not_counted_as_training" in cases
 
 
-def test_a_task_with_sgd_and_a_schedule_of_its_own_trains_alike_on_any_world_size_and_resumes(
+def test_a_task_with_sgd_and_a_schedule_of_its_own_passes_the_model_tests(
     tmp_path: Path,
 ) -> None:
     """SGD with Nesterov momentum and a step-decay factor per step: 2 ranks, accumulation and 1
     rank make the same updates in float64; a crashed run ends bitwise where an unbroken run
-    ends; the momentum buffers and the schedule's step are in the checkpoints."""
+    ends (the momentum buffers and the schedule's step are in the checkpoints)."""
     task = (USER_TASKS / "sgd_task.py").read_text()
     project, env, _ = project_with_task("User Sgd Task", task, tmp_path)
-    cases = run_project_suite(project, env, "tests/task/test_gradients.py", *RESUMES)
+    cases = run_project_suite(project, env, *MODEL_TESTS)
+    assert "test_two_ranks_equal_one_process_with_the_whole_batch" in cases
     assert "test_weights_are_bitwise_equal_to_an_unbroken_run" in cases
 
 
@@ -231,7 +239,7 @@ print(json.dumps({{
 """
 
 
-def test_a_hugging_face_gpt2_trains_resumes_and_counts_real_tokens(tmp_path: Path) -> None:
+def test_a_hugging_face_gpt2_passes_the_model_tests_and_counts_real_tokens(tmp_path: Path) -> None:
     """GPT2LMHeadModel from a tiny GPT2Config (no download); a single-process epoch then
     shows that tokens/s counts the real tokens: tokens/s x step time x steps, added up over
     the log lines, is the number of real tokens in the training set, not the padded count."""
@@ -245,10 +253,9 @@ def test_a_hugging_face_gpt2_trains_resumes_and_counts_real_tokens(tmp_path: Pat
     )
     project, env, package_dir = project_with_task("User Hf Gpt2 Task", task, tmp_path)
     package = package_dir.name
-    # One 2-rank launch: crash, resume, and end bitwise where an unbroken run ends.
-    run_project_suite(
-        project, env, "tests/task/test_resume.py::test_weights_are_bitwise_equal_to_an_unbroken_run"
-    )
+    cases = run_project_suite(project, env, *MODEL_TESTS)
+    assert "test_two_ranks_equal_one_process_with_the_whole_batch" in cases
+    assert "test_weights_are_bitwise_equal_to_an_unbroken_run" in cases
 
     result = subprocess.run(
         [sys.executable, "-c", THROUGHPUT_CHECK.format(package=package), str(tmp_path / "run")],

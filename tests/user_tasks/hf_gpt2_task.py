@@ -75,6 +75,7 @@ class Task(TaskBase):
         "task.num_train_samples=512",
         "task.num_eval_samples=128",
         "task.max_length=16",
+        "task.n_layer=1",
     )
 
     def __init__(self, config: TaskConfig, seed: int) -> None:
